@@ -1,0 +1,579 @@
+"""AccoOptimizer: a sharded optimizer whose communication overlaps the next gradients.
+
+A *round* is the time between two :meth:`AccoOptimizer.step` calls. During a round the
+compute lane (the caller's loop) folds micro-batch gradients into a local accumulator while
+the comm lane runs the previous round's reduce-scatter -> sharded update -> all-gather into a
+buffer the model does not read. ``step()`` is the round boundary: it waits for the comm
+lane, loads its result into the model and hands the new gradients over.
+
+In ``acco`` mode rounds alternate between an *estimate round* (the look-ahead
+``theta~(t+1) = Opt(theta(t), g~(t))`` computed on a copy of the shard and optimizer state)
+and a *commit round* (``theta(t+1) = Opt(theta(t), g~(t) + g(t))``, which updates them).
+``dpu`` commits every round with a one-round-stale gradient; ``sync`` is ZeRO-1 with no
+overlap. See SPEC section 2 and the README.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import datetime
+import enum
+import inspect
+import math
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.profiler import record_function
+
+from acco.sharding import Collectives, Layout, ShardedGroup, plan_layout
+from acco.streams import LaneFuture, make_lane
+
+__all__ = ["AccoOptimizer", "CommLaneError", "Mode", "RoundKind", "RoundStats"]
+
+
+class Mode(str, enum.Enum):
+    """What a round does; see the module docstring."""
+
+    SYNC = "sync"
+    DPU = "dpu"
+    ACCO = "acco"
+
+
+class RoundKind(str, enum.Enum):
+    ESTIMATE = "estimate"
+    COMMIT = "commit"
+
+
+class CommLaneError(RuntimeError):
+    """A round failed on the comm lane; raised at the next call on the compute lane."""
+
+
+# Optimizers whose update of an element depends only on that element's own gradient and
+# state, so a flat shard may cut a tensor anywhere.
+_ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Optimizers known to look at whole tensors (orthogonalisation, factored moments).
+_WHOLE_TENSOR: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor", "SparseAdam") if hasattr(torch.optim, name)
+)
+
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class RoundStats:
+    """What one round did, on this rank. Times are ``time.perf_counter()`` seconds.
+
+    Attributes:
+        index: rounds are numbered from 0 in launch order, the same on every rank.
+        kind: estimate or commit.
+        local_micro_batches / local_weight: what this rank accumulated during the round.
+        global_micro_batches / global_weight: the same summed over all ranks.
+        update_weight: the global weight the update divided by (an acco commit covers two
+            rounds).
+        lane_start / lane_end: when the comm lane started and finished the round.
+        phase_seconds: time spent in each lane phase (``weights``, ``reduce-scatter``,
+            ``update``, ``all-gather``).
+        wait_seconds: how long the compute lane blocked in ``step()`` for this round.
+    """
+
+    index: int
+    kind: RoundKind
+    local_micro_batches: int
+    local_weight: float
+    global_micro_batches: int = 0
+    global_weight: float = 0.0
+    update_weight: float = 0.0
+    lane_start: float = math.nan
+    lane_end: float = math.nan
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    wait_seconds: float = 0.0
+    phase: str = "queued"
+
+    @property
+    def lane_seconds(self) -> float:
+        return self.lane_end - self.lane_start
+
+    @property
+    def hidden_share(self) -> float:
+        """Share of the lane's time that the compute lane did not wait for, in [0, 1]."""
+        if not self.lane_seconds > 0:
+            return 1.0
+        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.lane_seconds))
+
+
+@dataclass
+class _Round:
+    """A round handed to the comm lane: its inputs, and its result once it lands."""
+
+    kind: RoundKind
+    grads: list[Tensor]
+    update_weight: float
+    update_micro_batches: int
+    hyperparams: list[dict[str, Any]]
+    stats: RoundStats
+    future: LaneFuture[RoundStats] | None = None
+
+
+class AccoOptimizer(torch.optim.Optimizer):
+    """Wraps any torch optimizer: sharded state, communication overlapped with compute.
+
+    Each rank keeps a full-precision master shard of the parameters and the base
+    optimizer's state for that shard only (ZeRO-1). The reduce-scatter -> update ->
+    all-gather of a round runs on the comm lane (a worker thread on CPU, a CUDA side
+    stream on GPU) while the caller computes the next gradients.
+
+    Args:
+        params: a module, or an iterable of parameters or of param-group dicts. Parameters
+            with ``requires_grad=False`` are left alone; a parameter listed twice (tied) is
+            handled once. Each group's parameters must share one dtype and device.
+        optimizer_class: the base ``torch.optim.Optimizer`` subclass, built on this rank's
+            shard only.
+        process_group: the ranks that share the model; default: the default group when
+            ``torch.distributed`` is initialised, otherwise a single process.
+        mode: ``"acco"`` (estimate + commit rounds, overlapped), ``"dpu"`` (one-round-stale
+            update, overlapped) or ``"sync"`` (ZeRO-1, blocking).
+        layout: ``"flat"`` (equal contiguous chunks of a flat buffer: element-wise
+            optimizers only), ``"tensor"`` (whole tensors per rank) or None to pick ``flat``
+            for the element-wise torch optimizers and ``tensor`` otherwise.
+        timeout: limit for each comm-lane collective and for every wait on the lane.
+        **defaults: hyper-parameters of the base optimizer (``lr=...``).
+
+    Raises:
+        TypeError / ValueError: bad arguments, raised before any collective runs.
+        ValueError: the model differs across ranks (raised on every rank).
+
+    Example::
+
+        >>> opt = AccoOptimizer(model, torch.optim.AdamW, lr=6e-4, weight_decay=0.1)
+        >>> for i, (x, y) in enumerate(batches):
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.accumulate()
+        ...     if (i + 1) % micro_batches_per_round == 0:
+        ...         opt.step()
+        >>> opt.finish()  # the model holds the last committed parameters
+
+    .. warning:: Construction, ``step()`` and ``finish()`` are collective: every rank of
+        ``process_group`` must call them, in the same order.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        mode: Mode | str = Mode.ACCO,
+        layout: Layout | str | None = None,
+        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+        **defaults: Any,
+    ) -> None:
+        # Everything is checked before the first collective, and no state exists until the
+        # checks pass, so a bad argument never leaves a half-built optimizer or a hung rank.
+        _check_optimizer_class(optimizer_class)
+        self.mode = _parse_enum(Mode, mode, "mode")
+        self.layout = _choose_layout(layout, optimizer_class)
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
+        groups = _trainable_groups(params)
+        base_defaults = _probe_defaults(optimizer_class, defaults)
+        self.optimizer_class = optimizer_class
+        self.timeout = timeout
+        self._comm = Collectives.from_user_group(process_group)
+
+        self._sealed = False
+        super().__init__(groups, base_defaults)
+        self._sealed = True
+        plans = [
+            plan_layout(self.layout, [p.shape for p in g["params"]], self._comm.world_size) for g in self.param_groups
+        ]
+        self._groups = [ShardedGroup(g["params"], plan, self._comm.rank) for g, plan in zip(self.param_groups, plans)]
+        self._base = [self._build_base(i, defaults) for i in range(len(self._groups))]
+
+        # Collectives from here on, on the user's group, before the lane exists.
+        fingerprint = "|".join(
+            [self.mode.value, self.layout.value, optimizer_class.__qualname__] + [g.fingerprint() for g in self._groups]
+        )
+        if not self._comm.same_on_all_ranks(fingerprint):
+            raise ValueError(
+                "AccoOptimizer: the model, mode, layout or optimizer class differs across ranks "
+                f"(this rank: {fingerprint[:200]!r})"
+            )
+        for group in self._groups:
+            group.gather_params_into_buffer()
+            self._comm.broadcast_(group.gathered, src=0)
+            group.load_params_from_buffer()
+            group.load_master_from_buffer()
+        self._lane_comm = self._comm.new_lane_group(timeout)
+        self._lane = make_lane(self._groups[0].device)
+        weakref.finalize(self, self._lane.close)
+
+        # Round state: what the next handover launches, and the round in flight.
+        self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
+        self._in_flight: _Round | None = None
+        self._rounds_launched = 0
+        self._pending_weight = 0.0
+        self._pending_micro_batches = 0
+        self._round_weight = 0.0
+        self._round_micro_batches = 0
+        self._closed = False
+        self._failure: BaseException | None = None
+        self.num_updates = 0
+        self.committed_weight = 0.0
+        self.round_stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
+
+    # ----------------------------------------------------------------- compute lane
+
+    def accumulate(self, weight: float = 1.0) -> None:
+        """Fold the gradients now in ``p.grad`` into this round's accumulator.
+
+        ``p.grad`` is consumed (set to None), so the next backward starts from zero.
+        Parameters whose ``grad`` is None contribute zero.
+
+        Args:
+            weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over.
+                The update divides the weighted sum by the total weight over all ranks.
+
+        Raises:
+            ValueError: ``weight`` is negative, NaN or infinite.
+            RuntimeError: no parameter has a gradient, or the optimizer is finished.
+        """
+        self._check_usable("accumulate")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+        with record_function("acco.accumulate"):
+            found = [group.accumulate_grads(float(weight)) for group in self._groups]
+        if not any(found):
+            raise RuntimeError("accumulate() found no gradient in any parameter: call backward() first")
+        self._pending_weight += weight
+        self._pending_micro_batches += 1
+        self._round_weight += weight
+        self._round_micro_batches += 1
+
+    def ready(self) -> bool:
+        """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
+        return self._in_flight is None or self._in_flight.future.done()
+
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+        """End the round: land the round in flight, hand this round's gradients over.
+
+        Returns:
+            True when the model now holds newly committed parameters (drive LR
+            schedulers with ``if opt.step(): scheduler.step()``).
+
+        Raises:
+            CommLaneError: the round in flight failed (on every rank).
+            TimeoutError: the comm lane did not finish within ``timeout``.
+
+        .. warning:: Collective: every rank must call it once per round.
+        """
+        if closure is not None:
+            raise TypeError("AccoOptimizer.step() takes no closure")
+        self._check_usable("step")
+        with record_function("acco.step"):
+            committed = self._land_in_flight()
+            self._launch(self._next_kind)
+            if self.mode is Mode.SYNC:
+                committed = self._land_in_flight()
+        return committed
+
+    def finish(self) -> bool:
+        """Drain the comm lane and leave the model at the last committed parameters.
+
+        A commit round in flight is landed; an estimate round in flight is dropped (the
+        model already holds the committed parameters it started from). Gradients
+        accumulated since the last handover are discarded. Idempotent; the optimizer
+        cannot be stepped afterwards.
+
+        Returns:
+            True when landing the last round committed an update.
+        """
+        if self._closed:
+            return False
+        try:
+            round_ = self._in_flight
+            if round_ is not None and round_.kind is RoundKind.ESTIMATE:
+                self._in_flight = None
+                self._wait(round_)
+                return False
+            return self._land_in_flight()
+        finally:
+            self._closed = True
+            self._lane.close()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._sealed:
+            raise RuntimeError("AccoOptimizer shards its param groups at construction; add_param_group is not supported")
+        super().add_param_group(param_group)
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        """The base optimizer of each param group on this rank's shard (None: owns nothing)."""
+        return list(self._base)
+
+    # ------------------------------------------------------------- round boundaries
+
+    def _launch(self, kind: RoundKind) -> None:
+        keep_accumulating = kind is RoundKind.ESTIMATE
+        grads = [group.hand_over(keep_accumulating) for group in self._groups]
+        stats = RoundStats(self._rounds_launched, kind, self._round_micro_batches, self._round_weight)
+        round_ = _Round(
+            kind=kind,
+            grads=grads,
+            update_weight=self._pending_weight,
+            update_micro_batches=self._pending_micro_batches,
+            hyperparams=[_hyperparams(g) for g in self.param_groups],
+            stats=stats,
+        )
+        if not keep_accumulating:
+            self._pending_weight, self._pending_micro_batches = 0.0, 0
+        self._round_weight, self._round_micro_batches = 0.0, 0
+        self._rounds_launched += 1
+        self._next_kind = _next_kind(self.mode, kind)
+        round_.future = self._lane.submit(lambda: self._run_round(round_))
+        self._in_flight = round_
+
+    def _land_in_flight(self) -> bool:
+        """Wait for the round in flight and load its result into the model."""
+        round_ = self._in_flight
+        if round_ is None:
+            return False
+        self._in_flight = None
+        stats = self._wait(round_)
+        with record_function("acco.load_params"):
+            for group in self._groups:
+                group.load_params_from_buffer()
+        if round_.kind is RoundKind.COMMIT:
+            self.num_updates += 1
+            self.committed_weight += stats.update_weight
+            return True
+        return False
+
+    def _wait(self, round_: _Round) -> RoundStats:
+        started = time.perf_counter()
+        try:
+            with record_function("acco.wait"):
+                stats = round_.future.result(timeout=_wait_seconds(self.timeout))
+        except FutureTimeoutError:
+            self._failure = TimeoutError(
+                f"{round_.kind.value} round {round_.stats.index} still running on the comm lane after "
+                f"{_wait_seconds(self.timeout):.0f}s (phase: {round_.stats.phase}); another rank may be "
+                "dead or no longer calling step()"
+            )
+            raise self._failure from None
+        except BaseException as error:
+            self._failure = error
+            raise
+        stats.wait_seconds = time.perf_counter() - started
+        self.round_stats.append(stats)
+        return stats
+
+    def _check_usable(self, call: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"{call}() after the comm lane failed: {self._failure}") from self._failure
+        if self._closed:
+            raise RuntimeError(f"{call}() after finish(): the optimizer is finished")
+
+    # -------------------------------------------------------------------- comm lane
+
+    def _run_round(self, round_: _Round) -> RoundStats:
+        """One round on the comm lane: weights, reduce-scatter, update, all-gather."""
+        stats = round_.stats
+        stats.lane_start = time.perf_counter()
+        try:
+            with self._phase(stats, "weights"):
+                totals = torch.tensor(
+                    [round_.update_weight, stats.local_weight, stats.local_micro_batches], dtype=torch.float64
+                )
+                if self._lane_comm.backend == "nccl":
+                    totals = totals.to(self._groups[0].device)
+                self._lane_comm.all_reduce_sum_(totals)
+                stats.update_weight, stats.global_weight, global_micro_batches = totals.tolist()
+                stats.global_micro_batches = int(global_micro_batches)
+                if not stats.update_weight > 0:
+                    raise ValueError(
+                        f"the total weight over all ranks is {stats.update_weight}: no rank called "
+                        "accumulate() (with a positive weight) before step()"
+                    )
+            with self._phase(stats, "reduce-scatter"):
+                for group, grads in zip(self._groups, round_.grads):
+                    self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
+            with self._phase(stats, "update"):
+                for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
+                    torch.div(group.grad_shard, stats.update_weight, out=group.master_grad)
+                    if base is not None:
+                        _step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
+                    else:
+                        group.gather_input.copy_(group.master)
+            with self._phase(stats, "all-gather"):
+                for group in self._groups:
+                    self._lane_comm.all_gather(group.gathered, group.gather_input)
+        except Exception as error:
+            raise CommLaneError(
+                f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
+            ) from error
+        stats.lane_end = time.perf_counter()
+        return stats
+
+    @staticmethod
+    @contextmanager
+    def _phase(stats: RoundStats, name: str) -> Iterator[None]:
+        stats.phase = name
+        started = time.perf_counter()
+        with record_function(f"acco.{name}"):
+            yield
+        stats.phase_seconds[name] = time.perf_counter() - started
+
+    def _build_base(self, index: int, defaults: dict[str, Any]) -> torch.optim.Optimizer | None:
+        views = self._groups[index].master_views
+        if not views:
+            return None  # tensor layout: this rank owns no tensor of this group
+        return self.optimizer_class([{**_hyperparams(self.param_groups[index]), "params": views}], **defaults)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("AccoOptimizer checkpoints are not implemented yet")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("AccoOptimizer checkpoints are not implemented yet")
+
+
+def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict[str, Any], estimate: bool) -> None:
+    """Run the base optimizer on this rank's shard; an estimate leaves shard and state as found."""
+    base.param_groups[0].update(hyperparams)
+    for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
+        param.grad = grad
+    if not estimate:
+        base.step()
+        group.gather_input.copy_(group.master)
+        return
+    saved_master = group.master.clone()
+    saved_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in base.state.items()}
+    base.step()
+    group.gather_input.copy_(group.master)
+    group.master.copy_(saved_master)
+    base.state.clear()
+    base.state.update(saved_state)
+
+
+def _next_kind(mode: Mode, launched: RoundKind) -> RoundKind:
+    if mode is Mode.ACCO and launched is RoundKind.ESTIMATE:
+        return RoundKind.COMMIT
+    if mode is Mode.ACCO:
+        return RoundKind.ESTIMATE
+    return RoundKind.COMMIT
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: _clone(v) for k, v in group.items() if k != "params"}
+
+
+def _wait_seconds(timeout: datetime.timedelta) -> float:
+    # The lane's own collectives time out after `timeout`; wait a little longer so their
+    # error (which names the phase) arrives first.
+    return timeout.total_seconds() * 1.1 + 5.0
+
+
+def _parse_enum(enum_type: type[enum.Enum], value: Any, what: str) -> Any:
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"Invalid {what}: {value!r} (choose from {choices})") from None
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__} needs a closure in step(), which a sharded overlapped optimizer "
+            "cannot provide"
+        )
+
+
+def _choose_layout(layout: Layout | str | None, optimizer_class: type) -> Layout:
+    if layout is None:
+        return Layout.FLAT if issubclass(optimizer_class, _ELEMENTWISE) else Layout.TENSOR
+    chosen = _parse_enum(Layout, layout, "layout")
+    if chosen is Layout.FLAT and issubclass(optimizer_class, _WHOLE_TENSOR):
+        raise ValueError(
+            f"layout='flat' cuts tensors across ranks, but {optimizer_class.__name__} updates whole "
+            "tensors: use layout='tensor'"
+        )
+    return chosen
+
+
+def _trainable_groups(params: Any) -> list[dict[str, Any]]:
+    """Param-group dicts holding each trainable parameter once."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    if isinstance(params, Tensor):
+        raise TypeError("params must be a module or an iterable of tensors or dicts, got a single Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("AccoOptimizer got an empty parameter list")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    seen: set[int] = set()
+    groups = []
+    for number, group in enumerate(items):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"param group {number} must be a dict with a 'params' entry, got {type(group).__name__}")
+        members = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        kept = []
+        for p in members:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"param group {number} holds a {type(p).__name__}, not a Tensor")
+            if p.requires_grad and id(p) not in seen:  # frozen: left alone; tied: once
+                seen.add(id(p))
+                kept.append(p)
+        if not kept:
+            raise ValueError(f"param group {number} has no parameter with requires_grad=True")
+        kinds = {(p.dtype, p.device) for p in kept}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"param group {number} mixes dtypes/devices {sorted(map(str, kinds))}: "
+                "put each dtype/device in its own param group"
+            )
+        groups.append({**group, "params": kept})
+    return groups
+
+
+def _probe_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The base optimizer's full defaults; builds one on a dummy tensor, so bad
+    hyper-parameters raise the base optimizer's own error before any collective."""
+    probe = optimizer_class([torch.zeros(2, 2, requires_grad=True)], **defaults)
+    return dict(probe.defaults)
