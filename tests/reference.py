@@ -1,0 +1,141 @@
+"""One-process references: the model, the data, and SPEC section 2's recurrences.
+
+Written from the SPEC's equations, independently of acco's round logic: a full
+(unsharded) torch optimizer on a copy of the parameters, gradients recomputed from the
+data each rank saw.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Params = dict[str, Tensor]
+# One round's micro-batches over all ranks: (inputs, targets, weight) triples.
+RoundData = list[tuple[Tensor, Tensor, float]]
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}),
+    "sgd": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
+}
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    # Odd sizes: flat chunks cut tensors mid-way and the last chunk is padded.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def micro_batch(round_: int, rank: int, index: int, size: int = 4) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(100_000 * round_ + 1_000 * rank + index)
+    return torch.randn(size, 5, generator=g), torch.randn(size, 3, generator=g)
+
+
+def loss_fn(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def params_of(model: nn.Module) -> Params:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class Reference:
+    """A model and a full base optimizer, stepped by hand."""
+
+    def __init__(self, init: Params, optimizer: str, seed: int = 0) -> None:
+        self.model = make_model(seed)
+        self.load(init)
+        cls, hp = OPTIMIZERS[optimizer]
+        self.optimizer = cls(self.model.parameters(), **hp)
+
+    def load(self, params: Params) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+
+    def params(self) -> Params:
+        return params_of(self.model)
+
+    def weighted_grad_sum(self, at: Params, data: RoundData) -> tuple[Params, float]:
+        """sum_i w_i * grad(loss_i) at parameters ``at``, and sum_i w_i."""
+        model = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(at[name])
+        total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+        weight = 0.0
+        for x, y, w in data:
+            model.zero_grad()
+            loss_fn(model, x, y).backward()
+            for name, p in model.named_parameters():
+                total[name] += w * p.grad
+            weight += w
+        return total, weight
+
+    def apply(self, grad: Params) -> None:
+        for name, p in self.model.named_parameters():
+            p.grad = grad[name].clone()
+        self.optimizer.step()
+
+    def estimate(self, grad: Params) -> Params:
+        """Opt(theta, grad) on a copy: this reference's parameters and state unchanged."""
+        scratch = copy.deepcopy(self)
+        scratch.apply(grad)
+        return scratch.params()
+
+
+def _scale(grad: Params, weight: float) -> Params:
+    return {k: v / weight for k, v in grad.items()}
+
+
+def _add(a: Params, b: Params) -> Params:
+    return {k: a[k] + b[k] for k in a}
+
+
+def sync_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+    """theta(r+1) = Opt(theta(r), g(r)), g(r) at theta(r)."""
+    ref = Reference(init, optimizer)
+    for data in rounds:
+        grad, weight = ref.weighted_grad_sum(ref.params(), data)
+        ref.apply(_scale(grad, weight))
+    return ref.params()
+
+
+def dpu_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+    """theta(r+1) = Opt(theta(r), g(r)) where round r's gradient was taken at theta(r-1)."""
+    ref = Reference(init, optimizer)
+    held = ref.params()  # the model's parameters during the round
+    for data in rounds:
+        grad, weight = ref.weighted_grad_sum(held, data)
+        held = ref.params()
+        ref.apply(_scale(grad, weight))
+    return ref.params()
+
+
+def acco_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+    """Per update t over rounds 2t (estimate) and 2t+1 (commit):
+
+    g~(t) at theta~(t) (theta~(0) = theta(0)), theta~(t+1) = Opt(theta(t), g~(t)) on a copy;
+    g(t) at theta(t); theta(t+1) = Opt(theta(t), g~(t) + g(t)) weighted over both rounds.
+    A trailing estimate round without its commit is dropped.
+    """
+    ref = Reference(init, optimizer)
+    estimate = ref.params()
+    for t in range(len(rounds) // 2):
+        grad_estimate, weight_estimate = ref.weighted_grad_sum(estimate, rounds[2 * t])
+        next_estimate = ref.estimate(_scale(grad_estimate, weight_estimate))
+        grad, weight = ref.weighted_grad_sum(ref.params(), rounds[2 * t + 1])
+        ref.apply(_scale(_add(grad_estimate, grad), weight_estimate + weight))
+        estimate = next_estimate
+    return ref.params()
+
+
+RECURRENCES: dict[str, Callable[[Params, str, Sequence[RoundData]], Params]] = {
+    "sync": sync_reference,
+    "dpu": dpu_reference,
+    "acco": acco_reference,
+}
