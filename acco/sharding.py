@@ -294,7 +294,7 @@ class Collectives:
         if not self.active:
             output.copy_(input[: output.numel()])
             return
-        if self.backend == "gloo":
+        if self._runs_on_gloo(input):
             # gloo's reduce_scatter moves as many bytes as an all-reduce; an all-to-all
             # moves each chunk once and the sum is done locally.
             received = self._scratch_like(input)
@@ -311,6 +311,11 @@ class Collectives:
             return
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(output, input, group=self.group)
+
+    def _runs_on_gloo(self, tensor: Tensor) -> bool:
+        # A group made without a backend name serves CPU tensors with gloo ("cpu:gloo,cuda:nccl").
+        backend = self.backend or ""
+        return backend == "gloo" or (tensor.device.type == "cpu" and "cpu:gloo" in backend)
 
     def _scratch_like(self, tensor: Tensor) -> Tensor:
         key = (tensor.numel(), tensor.dtype, tensor.device)
