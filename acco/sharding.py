@@ -75,7 +75,7 @@ class ShardPlan:
     def owner(self, index: int) -> int | None:
         """The rank holding all of parameter ``index``, or None if it straddles ranks."""
         slot = self.slots[index]
-        first = slot.offset // self.chunk
+        first = min(slot.offset // self.chunk, self.world_size - 1)  # an empty slot may sit at the very end
         if slot.numel == 0 or (slot.offset + slot.numel - 1) // self.chunk == first:
             return first
         return None
