@@ -220,10 +220,9 @@ class AccoOptimizer(torch.optim.Optimizer):
                 f"(this rank: {fingerprint[:200]!r})"
             )
         for group in self._groups:
-            group.gather_params_into_buffer()
-            self._comm.broadcast_(group.gathered, src=0)
-            group.load_params_from_buffer()
-            group.load_master_from_buffer()
+            initial = group.initial_values()
+            self._comm.broadcast_(initial, src=0)
+            group.set_initial_values(initial)
         self._lane_comm = self._comm.new_lane_group(timeout)
         self._lane = make_lane(self._groups[0].device)
         weakref.finalize(self, self._lane.close)

@@ -144,21 +144,31 @@ class ShardedGroup:
       the updated shard in the parameters' dtype, the all-gather's input.
     """
 
-    def __init__(self, params: Sequence[Tensor], plan: ShardPlan, rank: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        plan: ShardPlan,
+        rank: int,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         first = params[0]
         self.params = list(params)
         self.plan = plan
         self.rank = rank
-        self.dtype = first.dtype
         self.device = first.device
-        n = plan.padded_numel
-        self.grad_accumulator = torch.zeros(n, dtype=self.dtype, device=self.device)
-        self.grad_handover = torch.zeros(n, dtype=self.dtype, device=self.device)
-        self.gathered = torch.zeros(n, dtype=self.dtype, device=self.device)
-        self.master = torch.zeros(plan.chunk, dtype=torch.float32, device=self.device)
-        self.grad_shard = torch.zeros(plan.chunk, dtype=self.dtype, device=self.device)
-        self.master_grad = torch.zeros(plan.chunk, dtype=torch.float32, device=self.device)
-        self.gather_input = torch.zeros(plan.chunk, dtype=self.dtype, device=self.device)
+        self.param_dtype = param_dtype or first.dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # The master shard and the optimizer state are never below fp32.
+        self.master_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        n, chunk = plan.padded_numel, plan.chunk
+        self.grad_accumulator = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
+        self.grad_handover = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
+        self.gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
+        self.master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+        self.grad_shard = torch.zeros(chunk, dtype=self.reduce_dtype, device=self.device)
+        self.master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+        self.gather_input = torch.zeros(chunk, dtype=self.param_dtype, device=self.device)
         self.master_views = self.shard_views(self.master)
         self._accumulator_views = self._views(self.grad_accumulator)
         self._gathered_views = self._views(self.gathered)
@@ -199,18 +209,28 @@ class ShardedGroup:
             self._accumulator_views = self._views(self.grad_accumulator)
         return self.grad_handover
 
-    def gather_params_into_buffer(self) -> None:
-        """Copy the live parameters into ``gathered`` (used at construction)."""
-        torch._foreach_copy_(self._gathered_views, [p.detach() for p in self.params])
+    def initial_values(self) -> Tensor:
+        """The live parameters as one padded flat buffer in the master dtype."""
+        values = torch.zeros(self.plan.padded_numel, dtype=self.master_dtype, device=self.device)
+        torch._foreach_copy_(self._views(values), [p.detach() for p in self.params])
+        return values
+
+    def set_initial_values(self, values: Tensor) -> None:
+        """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
+        which take ``param_dtype`` here (the master keeps full precision)."""
+        start, stop = self.plan.rank_range(self.rank)
+        self.master.copy_(values[start:stop])
+        with torch.no_grad():
+            for param, value in zip(self.params, self._views(values)):
+                if param.dtype == self.param_dtype:
+                    param.copy_(value)
+                else:
+                    param.data = value.to(self.param_dtype)
 
     def load_params_from_buffer(self) -> None:
         """Copy ``gathered`` into the live parameters: the only write to them."""
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in self.params], self._gathered_views)
-
-    def load_master_from_buffer(self) -> None:
-        start, stop = self.plan.rank_range(self.rank)
-        self.master.copy_(self.gathered[start:stop])
 
     def shard_views(self, shard: Tensor) -> list[Tensor]:
         """Views of a chunk-sized tensor as the base optimizer sees this rank's shard.
@@ -224,7 +244,7 @@ class ShardedGroup:
         return [shard[s.offset - start : s.offset - start + s.numel].view(s.shape) for s in slots]
 
     def fingerprint(self) -> str:
-        return f"{self.plan.layout.value}:{self.dtype}:" + ";".join(
+        return f"{self.plan.layout.value}:{self.param_dtype}:{self.reduce_dtype}:" + ";".join(
             "x".join(map(str, s.shape)) for s in self.plan.slots
         )
 

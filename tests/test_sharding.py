@@ -203,11 +203,12 @@ def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed):
     groups = [ShardedGroup(params, plan, rank) for rank in range(world_size)]
     group = groups[0]
 
-    group.gather_params_into_buffer()
-    assert group.gathered.shape == (plan.padded_numel,)
-    assert group.gathered.dtype == dtype
+    initial = group.initial_values()
+    assert initial.shape == (plan.padded_numel,)
+    assert initial.dtype == torch.float32
     expected = expected_buffer(plan, originals)
-    assert torch.equal(group.gathered, expected)
+    assert torch.equal(initial, expected.float())
+    group.gathered.copy_(initial)
 
     # Padding (positions no parameter covers) stays zero.
     padding = coverage(plan) == 0
@@ -227,8 +228,7 @@ def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed):
 
     # Each rank's master shard, concatenated, rebuilds the padded buffer.
     for g in groups:
-        g.gather_params_into_buffer()
-        g.load_master_from_buffer()
+        g.set_initial_values(g.initial_values())
         assert g.master.dtype == torch.float32
         assert g.master.shape == (plan.chunk,)
     rebuilt = torch.cat([g.master for g in groups])
@@ -243,8 +243,7 @@ def test_tensor_layout_shard_views(shapes, world_size, dtype, seed):
     plan = plan_tensor(shapes, world_size)
     for rank in range(world_size):
         group = ShardedGroup(params, plan, rank)
-        group.gather_params_into_buffer()
-        group.load_master_from_buffer()
+        group.set_initial_values(group.initial_values())
         owned = plan.owned(rank)
         views = group.master_views
         assert len(views) == len(owned)
