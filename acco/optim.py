@@ -22,6 +22,7 @@ import enum
 import inspect
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -95,6 +96,8 @@ class RoundStats:
         phase_seconds: time spent in each lane phase (``weights``, ``reduce-scatter``,
             ``update``, ``all-gather``).
         wait_seconds: how long the compute lane blocked in ``step()`` for this round.
+        grad_norm: the global 2-norm of the averaged gradient before clipping (only with
+            ``max_grad_norm``; a ``grad-norm`` phase then appears in ``phase_seconds``).
     """
 
     index: int
@@ -108,6 +111,7 @@ class RoundStats:
     lane_end: float = math.nan
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wait_seconds: float = 0.0
+    grad_norm: float = math.nan
     phase: str = "queued"
 
     @property
@@ -156,8 +160,21 @@ class AccoOptimizer(torch.optim.Optimizer):
         layout: ``"flat"`` (equal contiguous chunks of a flat buffer: element-wise
             optimizers only), ``"tensor"`` (whole tensors per rank) or None to pick ``flat``
             for the element-wise torch optimizers and ``tensor`` otherwise.
+        max_grad_norm: clip the averaged gradient to this global 2-norm (as
+            ``torch.nn.utils.clip_grad_norm_`` on the full gradient) before each update,
+            the acco estimate included; the norm before clipping is in ``round_stats``.
+        param_dtype: dtype of the live model parameters (e.g. ``torch.bfloat16``); the
+            model is cast at construction. Default: unchanged.
+        reduce_dtype: dtype in which gradients are accumulated, reduce-scattered and
+            summed. Default: ``param_dtype``. With a 16-bit type, sums over many
+            micro-batches lose precision (a warning says so); ``torch.float32`` avoids it.
+            The master shard and the optimizer state are always fp32 (fp64 for fp64
+            parameters).
         timeout: limit for each comm-lane collective and for every wait on the lane.
-        **defaults: hyper-parameters of the base optimizer (``lr=...``).
+        **defaults: hyper-parameters of the base optimizer (``lr=...``), the defaults of
+            every param group. A group dict may name its own ``optimizer_class`` (e.g.
+            ``torch.optim.Muon`` for hidden matrices) and ``layout``; such a group takes its
+            hyper-parameters from the group dict and that class's defaults.
 
     Raises:
         TypeError / ValueError: bad arguments, raised before any collective runs.
@@ -185,6 +202,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         mode: Mode | str = Mode.ACCO,
         layout: Layout | str | None = None,
+        max_grad_norm: float | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
         **defaults: Any,
     ) -> None:
@@ -192,27 +212,46 @@ class AccoOptimizer(torch.optim.Optimizer):
         # checks pass, so a bad argument never leaves a half-built optimizer or a hung rank.
         _check_optimizer_class(optimizer_class)
         self.mode = _parse_enum(Mode, mode, "mode")
-        self.layout = _choose_layout(layout, optimizer_class)
+        self.layout = None if layout is None else _parse_enum(Layout, layout, "layout")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number > 0, or None)")
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"Invalid {name}: {dtype!r} (a floating torch.dtype, or None)")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
-        groups = _trainable_groups(params)
+        groups = [_with_group_optimizer(g, optimizer_class, self.layout) for g in _trainable_groups(params)]
         base_defaults = _probe_defaults(optimizer_class, defaults)
         self.optimizer_class = optimizer_class
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.timeout = timeout
         self._comm = Collectives.from_user_group(process_group)
 
         self._sealed = False
         super().__init__(groups, base_defaults)
         self._sealed = True
-        plans = [
-            plan_layout(self.layout, [p.shape for p in g["params"]], self._comm.world_size) for g in self.param_groups
+        self._groups = [
+            ShardedGroup(
+                g["params"],
+                plan_layout(g["layout"], [p.shape for p in g["params"]], self._comm.world_size),
+                self._comm.rank,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+            )
+            for g in self.param_groups
         ]
-        self._groups = [ShardedGroup(g["params"], plan, self._comm.rank) for g, plan in zip(self.param_groups, plans)]
+        if any(g.reduce_dtype.itemsize < 4 for g in self._groups):
+            warnings.warn(
+                "acco accumulates gradients in reduce_dtype, here a 16-bit type: sums over many "
+                "micro-batches lose precision; pass reduce_dtype=torch.float32 to accumulate in fp32",
+                stacklevel=2,
+            )
         self._base = [self._build_base(i, defaults) for i in range(len(self._groups))]
 
         # Collectives from here on, on the user's group, before the lane exists.
         fingerprint = "|".join(
-            [self.mode.value, self.layout.value, optimizer_class.__qualname__] + [g.fingerprint() for g in self._groups]
+            [self.mode.value, str(self.max_grad_norm)]
+            + [f"{g['optimizer_class'].__qualname__}:{s.fingerprint()}" for g, s in zip(self.param_groups, self._groups)]
         )
         if not self._comm.same_on_all_ranks(fingerprint):
             raise ValueError(
@@ -230,6 +269,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         # Round state: what the next handover launches, and the round in flight.
         self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
         self._in_flight: _Round | None = None
+        self._update_hyperparams: list[dict[str, Any]] = []
         self._rounds_launched = 0
         self._pending_weight = 0.0
         self._pending_micro_batches = 0
@@ -343,13 +383,18 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _launch(self, kind: RoundKind) -> None:
         keep_accumulating = kind is RoundKind.ESTIMATE
         grads = [group.hand_over(keep_accumulating) for group in self._groups]
+        if self.mode is Mode.ACCO and kind is RoundKind.COMMIT:
+            # The commit applies the same hyper-parameters as the estimate it completes.
+            hyperparams = self._update_hyperparams
+        else:
+            hyperparams = self._update_hyperparams = [_hyperparams(g) for g in self.param_groups]
         stats = RoundStats(self._rounds_launched, kind, self._round_micro_batches, self._round_weight)
         round_ = _Round(
             kind=kind,
             grads=grads,
             update_weight=self._pending_weight,
             update_micro_batches=self._pending_micro_batches,
-            hyperparams=[_hyperparams(g) for g in self.param_groups],
+            hyperparams=hyperparams,
             stats=stats,
         )
         if not keep_accumulating:
@@ -425,9 +470,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             with self._phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
                     self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
+            for group in self._groups:
+                torch.div(group.grad_shard, stats.update_weight, out=group.master_grad)
+            if self.max_grad_norm is not None:
+                with self._phase(stats, "grad-norm"):
+                    stats.grad_norm = self._clip_master_grads(self.max_grad_norm)
             with self._phase(stats, "update"):
                 for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
-                    torch.div(group.grad_shard, stats.update_weight, out=group.master_grad)
                     if base is not None:
                         _step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
                     else:
@@ -442,6 +491,19 @@ class AccoOptimizer(torch.optim.Optimizer):
         stats.lane_end = time.perf_counter()
         return stats
 
+    def _clip_master_grads(self, max_norm: float) -> float:
+        """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` would on the full gradient; returns the norm
+        before clipping. One all-reduce of the squared shard norms."""
+        squares = torch.stack([g.master_grad.double().square().sum() for g in self._groups]).sum()
+        self._lane_comm.all_reduce_sum_(squares.reshape(1))
+        norm = float(squares.sqrt())
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        if scale < 1.0:
+            for group in self._groups:
+                group.master_grad.mul_(scale)
+        return norm
+
     @staticmethod
     @contextmanager
     def _phase(stats: RoundStats, name: str) -> Iterator[None]:
@@ -455,7 +517,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         views = self._groups[index].master_views
         if not views:
             return None  # tensor layout: this rank owns no tensor of this group
-        return self.optimizer_class([{**_hyperparams(self.param_groups[index]), "params": views}], **defaults)
+        group = self.param_groups[index]
+        cls = group["optimizer_class"]
+        # A group naming its own class takes its hyper-parameters from the group only.
+        kwargs = defaults if cls is self.optimizer_class else {}
+        return cls([{**_hyperparams(group), "params": views}], **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("AccoOptimizer checkpoints are not implemented yet")
@@ -494,8 +560,27 @@ def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
 
+_NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
+
+
 def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: _clone(v) for k, v in group.items() if k != "params"}
+    return {k: _clone(v) for k, v in group.items() if k not in _NOT_HYPERPARAMS}
+
+
+def _with_group_optimizer(
+    group: dict[str, Any], optimizer_class: type[torch.optim.Optimizer], layout: Layout | None
+) -> dict[str, Any]:
+    """The group with its base optimizer class and layout resolved.
+
+    A group may name its own ``optimizer_class`` (e.g. Muon for hidden matrices, AdamW for
+    the rest) and ``layout``; it then starts from that class's defaults.
+    """
+    cls = group.get("optimizer_class", optimizer_class)
+    _check_optimizer_class(cls)
+    chosen = _choose_layout(group.get("layout", layout), cls)
+    if cls is not optimizer_class:
+        group = {**_probe_defaults(cls, {}), **group}
+    return {**group, "optimizer_class": cls, "layout": chosen}
 
 
 def _wait_seconds(timeout: datetime.timedelta) -> float:

@@ -43,14 +43,27 @@ def params_of(model: nn.Module) -> Params:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+# Called with (update number, full optimizer) before update t is computed: sets its lr.
+UpdateHook = Callable[[int, torch.optim.Optimizer], None]
+
+
+def _factory(optimizer: str | OptimizerFactory) -> OptimizerFactory:
+    if callable(optimizer):
+        return optimizer
+    cls, hp = OPTIMIZERS[optimizer]
+    return lambda model: cls(model.parameters(), **hp)
+
+
 class Reference:
     """A model and a full base optimizer, stepped by hand."""
 
-    def __init__(self, init: Params, optimizer: str, seed: int = 0) -> None:
-        self.model = make_model(seed)
+    def __init__(self, init: Params, optimizer: str | OptimizerFactory, max_norm: float | None = None) -> None:
+        self.model = make_model()
         self.load(init)
-        cls, hp = OPTIMIZERS[optimizer]
-        self.optimizer = cls(self.model.parameters(), **hp)
+        self.optimizer = _factory(optimizer)(self.model)
+        self.max_norm = max_norm
+        self.norms: list[float] = []
 
     def load(self, params: Params) -> None:
         with torch.no_grad():
@@ -79,6 +92,8 @@ class Reference:
     def apply(self, grad: Params) -> None:
         for name, p in self.model.named_parameters():
             p.grad = grad[name].clone()
+        if self.max_norm is not None:
+            self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)))
         self.optimizer.step()
 
     def estimate(self, grad: Params) -> Params:
@@ -96,37 +111,48 @@ def _add(a: Params, b: Params) -> Params:
     return {k: a[k] + b[k] for k in a}
 
 
-def sync_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+def _hook(on_update: UpdateHook | None, t: int, ref: Reference) -> None:
+    if on_update is not None:
+        on_update(t, ref.optimizer)
+
+
+def sync_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequence[RoundData],
+                   max_norm: float | None = None, on_update: UpdateHook | None = None) -> Params:
     """theta(r+1) = Opt(theta(r), g(r)), g(r) at theta(r)."""
-    ref = Reference(init, optimizer)
-    for data in rounds:
+    ref = Reference(init, optimizer, max_norm)
+    for r, data in enumerate(rounds):
         grad, weight = ref.weighted_grad_sum(ref.params(), data)
+        _hook(on_update, r, ref)
         ref.apply(_scale(grad, weight))
     return ref.params()
 
 
-def dpu_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+def dpu_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequence[RoundData],
+                  max_norm: float | None = None, on_update: UpdateHook | None = None) -> Params:
     """theta(r+1) = Opt(theta(r), g(r)) where round r's gradient was taken at theta(r-1)."""
-    ref = Reference(init, optimizer)
+    ref = Reference(init, optimizer, max_norm)
     held = ref.params()  # the model's parameters during the round
-    for data in rounds:
+    for r, data in enumerate(rounds):
         grad, weight = ref.weighted_grad_sum(held, data)
         held = ref.params()
+        _hook(on_update, r, ref)
         ref.apply(_scale(grad, weight))
     return ref.params()
 
 
-def acco_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) -> Params:
+def acco_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequence[RoundData],
+                   max_norm: float | None = None, on_update: UpdateHook | None = None) -> Params:
     """Per update t over rounds 2t (estimate) and 2t+1 (commit):
 
     g~(t) at theta~(t) (theta~(0) = theta(0)), theta~(t+1) = Opt(theta(t), g~(t)) on a copy;
     g(t) at theta(t); theta(t+1) = Opt(theta(t), g~(t) + g(t)) weighted over both rounds.
     A trailing estimate round without its commit is dropped.
     """
-    ref = Reference(init, optimizer)
+    ref = Reference(init, optimizer, max_norm)
     estimate = ref.params()
     for t in range(len(rounds) // 2):
         grad_estimate, weight_estimate = ref.weighted_grad_sum(estimate, rounds[2 * t])
+        _hook(on_update, t, ref)
         next_estimate = ref.estimate(_scale(grad_estimate, weight_estimate))
         grad, weight = ref.weighted_grad_sum(ref.params(), rounds[2 * t + 1])
         ref.apply(_scale(_add(grad_estimate, grad), weight_estimate + weight))
@@ -134,7 +160,7 @@ def acco_reference(init: Params, optimizer: str, rounds: Sequence[RoundData]) ->
     return ref.params()
 
 
-RECURRENCES: dict[str, Callable[[Params, str, Sequence[RoundData]], Params]] = {
+RECURRENCES: dict[str, Callable[..., Params]] = {
     "sync": sync_reference,
     "dpu": dpu_reference,
     "acco": acco_reference,
