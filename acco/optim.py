@@ -79,6 +79,7 @@ _WHOLE_TENSOR: tuple[type, ...] = tuple(
 )
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_STATE_VERSION = 1
 
 
 @dataclass
@@ -137,6 +138,7 @@ class _Round:
     hyperparams: list[dict[str, Any]]
     stats: RoundStats
     future: LaneFuture[RoundStats] | None = None
+    finished: bool = False
 
 
 class AccoOptimizer(torch.optim.Optimizer):
@@ -422,6 +424,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         return False
 
     def _wait(self, round_: _Round) -> RoundStats:
+        if round_.finished:  # already waited for by state_dict()
+            return round_.stats
         started = time.perf_counter()
         try:
             with record_function("acco.wait"):
@@ -437,6 +441,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._failure = error
             raise
         stats.wait_seconds = time.perf_counter() - started
+        round_.finished = True
         self.round_stats.append(stats)
         return stats
 
@@ -523,11 +528,194 @@ class AccoOptimizer(torch.optim.Optimizer):
         kwargs = defaults if cls is self.optimizer_class else {}
         return cls([{**_hyperparams(group), "params": views}], **kwargs)
 
+    # ------------------------------------------------------------------ checkpoints
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("AccoOptimizer checkpoints are not implemented yet")
+        """This rank's part of the optimizer's state, at a round boundary.
+
+        Waits for the round in flight (its result is kept and still lands at the next
+        ``step()``), so the natural moment is right after a ``step()``. Holds only tensors and
+        plain Python values: ``torch.load(path, weights_only=True)`` reads it back.
+
+        Schema::
+
+            {"state": {},                       # the base optimizers' state is per shard, below
+             "param_groups": [{hyper-parameters..., "optimizer_class": name, "layout": name,
+                               "params": [indices]}],
+             "acco": {"version": 1, "mode", "rank", "world_size", "max_grad_norm",
+                      "num_updates", "committed_weight",
+                      "round": {"rounds_launched", "next_kind", "in_flight_kind" (or None),
+                                "pending_weight", "pending_micro_batches",
+                                "round_weight", "round_micro_batches", "update_hyperparams"},
+                      "groups": [{"layout", "optimizer_class", "shapes", "chunk", "param_dtype",
+                                  "reduce_dtype",
+                                  "master": fp32 shard, "base_state": {local index: {...}},
+                                  "in_flight_result": this rank's chunk of the round in
+                                      flight's result (or None),
+                                  "grad_accumulator": this rank's unreduced gradient sum}]}}
+        """
+        self._check_usable("state_dict")
+        round_ = self._in_flight
+        if round_ is not None:
+            self._wait(round_)
+        groups = []
+        for group, sharded, base in zip(self.param_groups, self._groups, self._base):
+            groups.append(
+                {
+                    "layout": sharded.plan.layout.value,
+                    "optimizer_class": group["optimizer_class"].__name__,
+                    "shapes": [list(slot.shape) for slot in sharded.plan.slots],
+                    "chunk": sharded.plan.chunk,
+                    "param_dtype": str(sharded.param_dtype),
+                    "reduce_dtype": str(sharded.reduce_dtype),
+                    "master": sharded.master.clone(),
+                    "base_state": _base_state(sharded, base),
+                    "in_flight_result": None if round_ is None else sharded.gather_input.clone(),
+                    "grad_accumulator": sharded.grad_accumulator.clone(),
+                }
+            )
+        start = 0
+        param_groups = []
+        for group in self.param_groups:
+            count = len(group["params"])
+            param_groups.append(
+                {
+                    **_hyperparams(group),
+                    "optimizer_class": group["optimizer_class"].__name__,
+                    "layout": group["layout"].value,
+                    "params": list(range(start, start + count)),
+                }
+            )
+            start += count
+        return {
+            "state": {},
+            "param_groups": param_groups,
+            "acco": {
+                "version": _STATE_VERSION,
+                "mode": self.mode.value,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "max_grad_norm": self.max_grad_norm,
+                "num_updates": self.num_updates,
+                "committed_weight": self.committed_weight,
+                "round": {
+                    "rounds_launched": self._rounds_launched,
+                    "next_kind": self._next_kind.value,
+                    "in_flight_kind": None if round_ is None else round_.kind.value,
+                    "pending_weight": self._pending_weight,
+                    "pending_micro_batches": self._pending_micro_batches,
+                    "round_weight": self._round_weight,
+                    "round_micro_batches": self._round_micro_batches,
+                    "update_hyperparams": [dict(h) for h in self._update_hyperparams],
+                },
+                "groups": groups,
+            },
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError("AccoOptimizer checkpoints are not implemented yet")
+        """Restore a state saved by :meth:`state_dict` with the same world size and layouts.
+
+        Load into a freshly built optimizer (no ``accumulate()`` or ``step()`` yet). Saved
+        by another world size or layout: use :func:`acco.checkpoint.load`. Everything is
+        checked before anything changes; a mismatch is a ``ValueError``.
+
+        .. warning:: Collective when the saved state has a round in flight (its result is
+            all-gathered again on the comm lane): every rank must call it.
+        """
+        self._check_usable("load_state_dict")
+        if self._in_flight is not None or self._rounds_launched or self._pending_micro_batches:
+            raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
+        saved = _check_state_dict(self, state_dict)
+        for group, values in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in values.items() if k not in _NOT_HYPERPARAMS})
+        for sharded, base, values in zip(self._groups, self._base, saved["groups"]):
+            sharded.master.copy_(values["master"])
+            sharded.grad_accumulator.copy_(values["grad_accumulator"])
+            if base is not None:
+                _load_base_state(sharded, base, values["base_state"])
+        round_state = saved["round"]
+        self.num_updates = int(saved["num_updates"])
+        self.committed_weight = float(saved["committed_weight"])
+        self._rounds_launched = int(round_state["rounds_launched"])
+        self._next_kind = RoundKind(round_state["next_kind"])
+        self._pending_weight = float(round_state["pending_weight"])
+        self._pending_micro_batches = int(round_state["pending_micro_batches"])
+        self._round_weight = float(round_state["round_weight"])
+        self._round_micro_batches = int(round_state["round_micro_batches"])
+        self._update_hyperparams = [dict(h) for h in round_state["update_hyperparams"]]
+        if round_state["in_flight_kind"] is not None:
+            for sharded, values in zip(self._groups, saved["groups"]):
+                sharded.gather_input.copy_(values["in_flight_result"])
+            self._replay_in_flight(RoundKind(round_state["in_flight_kind"]))
+
+    def _replay_in_flight(self, kind: RoundKind) -> None:
+        """Re-create the saved round in flight: its result only needs all-gathering again."""
+        stats = RoundStats(self._rounds_launched - 1, kind, 0, 0.0)
+        round_ = _Round(kind=kind, grads=[], update_weight=0.0, update_micro_batches=0, hyperparams=[], stats=stats)
+
+        def all_gather() -> RoundStats:
+            stats.lane_start = time.perf_counter()
+            with self._phase(stats, "all-gather"):
+                for group in self._groups:
+                    self._lane_comm.all_gather(group.gathered, group.gather_input)
+            stats.lane_end = time.perf_counter()
+            return stats
+
+        round_.future = self._lane.submit(all_gather)
+        self._in_flight = round_
+
+
+def _base_state(sharded: ShardedGroup, base: torch.optim.Optimizer | None) -> dict[int, dict[str, Any]]:
+    if base is None:
+        return {}
+    return {
+        index: {key: _clone(value) for key, value in base.state[view].items()}
+        for index, view in enumerate(sharded.master_views)
+        if view in base.state
+    }
+
+
+def _load_base_state(sharded: ShardedGroup, base: torch.optim.Optimizer, saved: dict[int, dict[str, Any]]) -> None:
+    base.state.clear()
+    for index, view in enumerate(sharded.master_views):
+        if index in saved:
+            base.state[view] = {
+                key: value.to(view.device).clone() if isinstance(value, Tensor) and value.dim() else _clone(value)
+                for key, value in saved[index].items()
+            }
+
+
+def _check_state_dict(optimizer: AccoOptimizer, state_dict: Any) -> dict[str, Any]:
+    """The ``"acco"`` entry of a state dict that fits ``optimizer``; ValueError otherwise."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("acco"), dict):
+        raise ValueError("not an AccoOptimizer state dict (no 'acco' entry)")
+    saved = state_dict["acco"]
+    if saved.get("version") != _STATE_VERSION:
+        raise ValueError(f"unsupported AccoOptimizer state version {saved.get('version')!r}")
+    if saved["mode"] != optimizer.mode.value:
+        raise ValueError(f"state saved in mode {saved['mode']!r}, this optimizer is {optimizer.mode.value!r}")
+    if saved["world_size"] != optimizer.world_size or saved["rank"] != optimizer.rank:
+        raise ValueError(
+            f"state saved by rank {saved['rank']} of {saved['world_size']}, loading on rank {optimizer.rank} of "
+            f"{optimizer.world_size}: use acco.checkpoint.load to reshard"
+        )
+    if len(saved["groups"]) != len(optimizer.param_groups) or len(state_dict["param_groups"]) != len(saved["groups"]):
+        raise ValueError(f"state has {len(saved['groups'])} param groups, this optimizer {len(optimizer.param_groups)}")
+    for number, (values, group, sharded) in enumerate(zip(saved["groups"], optimizer.param_groups, optimizer._groups)):
+        expected = {
+            "layout": sharded.plan.layout.value,
+            "optimizer_class": group["optimizer_class"].__name__,
+            "shapes": [list(slot.shape) for slot in sharded.plan.slots],
+            "param_dtype": str(sharded.param_dtype),
+            "reduce_dtype": str(sharded.reduce_dtype),
+        }
+        for key, value in expected.items():
+            if values[key] != value:
+                raise ValueError(f"param group {number}: saved {key} {values[key]!r}, this optimizer has {value!r}")
+        for key, length in (("master", sharded.plan.chunk), ("grad_accumulator", sharded.plan.padded_numel)):
+            if not isinstance(values[key], Tensor) or values[key].shape != (length,):
+                raise ValueError(f"param group {number}: saved {key} is not a tensor of {length} elements")
+    return saved
 
 
 def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict[str, Any], estimate: bool) -> None:
