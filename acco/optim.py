@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from acco.sharding import Collectives, Layout, ShardedGroup, plan_layout
+from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.streams import LaneFuture, make_lane
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "RoundKind", "RoundStats"]
@@ -374,6 +374,11 @@ class AccoOptimizer(torch.optim.Optimizer):
     @property
     def rank(self) -> int:
         return self._comm.rank
+
+    @property
+    def shard_plans(self) -> list[ShardPlan]:
+        """Where each param group's parameters sit in its flat buffer, and who owns what."""
+        return [group.plan for group in self._groups]
 
     @property
     def base_optimizers(self) -> list[torch.optim.Optimizer | None]:

@@ -309,6 +309,27 @@ class Collectives:
         self.all_reduce_max_(t)
         return int(t[0]) == -int(t[1])
 
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (None on the others)."""
+        if not self.active:
+            return [data]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = int(max(s.item() for s in sizes))
+        payload = torch.zeros(longest, dtype=torch.uint8, device=device)
+        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        received = [torch.zeros_like(payload) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(payload, received, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        if received is None:
+            return None
+        return [bytes(r[: int(s.item())].cpu().tolist()) for r, s in zip(received, sizes)]
+
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> None:
         """``output`` = this rank's chunk of the sum of ``input`` over ranks."""
         if not self.active:

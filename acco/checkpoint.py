@@ -1,0 +1,408 @@
+"""Checkpoints: sharded save/load through torch.distributed.checkpoint, resharding to
+another world size or layout, atomic directories, and a full state dict for export.
+
+Every rank writes its own shard (``acco.rank{r}.*`` keys); the model's parameters are
+saved once. A checkpoint holds tensors only (non-tensor values are JSON inside a uint8
+tensor), and DCP's metadata is read with an unpickler that only admits DCP's own classes,
+so loading never runs code from the file.
+
+Resharding (N ranks -> M ranks, flat <-> tensor layout) goes through a *canonical* form:
+per parameter, its master values, its base-optimizer state (element-wise for the ``flat``
+layout) and its share of the in-flight round's result; pending gradients are summed over
+the old ranks (their sum is what the next update uses) and given to the new rank 0.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+
+from acco.optim import AccoOptimizer, _check_state_dict
+from acco.sharding import Layout, ShardPlan, plan_layout
+
+__all__ = ["full_state_dict", "latest_checkpoint", "load", "reshard", "save"]
+
+_LATEST = "latest"
+_PARTIAL = ".partial"
+
+
+# ----------------------------------------------------------------- save and load
+
+
+def save(
+    directory: str | os.PathLike,
+    optimizer: AccoOptimizer,
+    model: nn.Module | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a sharded checkpoint to ``directory``, atomically.
+
+    The checkpoint is written to ``directory.partial`` and renamed once every rank has
+    finished, then ``latest`` in the parent folder names it; a crash mid-save never leaves a
+    half-written checkpoint as the latest.
+
+    Args:
+        directory: the checkpoint's folder (e.g. ``runs/ckpt/step-000100``).
+        optimizer: its ``state_dict()`` is saved, one shard per rank.
+        model: its ``state_dict()`` is saved once (parameters are identical on all ranks).
+        extra: this rank's own values (tensors, numbers, strings, lists, dicts), e.g. the
+            data position; returned by :func:`load` on the same rank.
+
+    .. warning:: Collective: every rank must call it with the same ``directory``.
+    """
+    final = Path(directory)
+    partial = final.with_name(final.name + _PARTIAL)
+    comm = optimizer._comm
+    if comm.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    rank = comm.rank
+    state: dict[str, Tensor] = {}
+    _flatten_into(state, f"acco.rank{rank}", optimizer.state_dict())
+    if extra is not None:
+        _flatten_into(state, f"extra.rank{rank}", dict(extra))
+    if model is not None:
+        for name, value in model.state_dict().items():
+            state[f"model.{name}"] = value.detach().cpu()
+    # DCP keeps no checksums: each rank records the digests of what it writes.
+    digests = {key: _digest(value) for key, value in state.items()}
+    state[f"acco.rank{rank}.digests"] = _json_tensor(digests)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _write_atomically(final.parent / _LATEST, final.name)
+    comm.barrier()
+    return final
+
+
+def load(
+    directory: str | os.PathLike,
+    optimizer: AccoOptimizer,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Restore ``optimizer`` (and ``model``) from a checkpoint written by :func:`save`.
+
+    The checkpoint may come from another world size or layout: master parameters,
+    optimizer state, the round in flight and pending gradients are re-partitioned. Load
+    into a freshly built optimizer. Everything is read and checked before anything
+    changes; a checkpoint that does not fit raises ``ValueError`` on every rank.
+
+    Returns:
+        this rank's ``extra`` values (those of rank 0 when this rank did not exist).
+
+    .. warning:: Collective: every rank must call it.
+    """
+    path = Path(directory)
+    reader = SafeFileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable acco checkpoint: {error}") from error
+    entries = metadata.state_dict_metadata
+    ranks = sorted(int(k.split(".")[1][4:]) for k in entries if k.startswith("acco.rank") and k.endswith(".skeleton"))
+    if not ranks or ranks != list(range(len(ranks))):
+        raise ValueError(f"{path} holds no complete acco optimizer state (ranks found: {ranks})")
+
+    # Allocate every tensor entry we need (never the pickled "bytes" entries), then read.
+    wanted = [k for k in entries if k.startswith(("acco.", "extra.")) or (model is not None and k.startswith("model."))]
+    state: dict[str, Tensor] = {}
+    for key in wanted:
+        entry = entries[key]
+        if not isinstance(entry, dcp.metadata.TensorStorageMetadata):
+            raise ValueError(f"{path}: entry {key!r} is not a tensor; refusing to unpickle it")
+        state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
+    except Exception as error:  # noqa: BLE001 - DCP wraps per-rank failures in several types
+        raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
+    for r in ranks:
+        for key, digest in json.loads(bytes(state[f"acco.rank{r}.digests"].tolist()).decode()).items():
+            if key in state and _digest(state[key]) != digest:
+                raise ValueError(f"{path}: entry {key!r} is corrupted (checksum mismatch)")
+
+    saved = [_unflatten(state, f"acco.rank{r}") for r in ranks]
+    target = reshard(saved, optimizer) if _needs_reshard(saved, optimizer) else saved[optimizer.rank]
+    _check_state_dict(optimizer, target)  # the checks load_state_dict runs, before the model changes
+    model_state = None
+    if model is not None:
+        model_state = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+        expected = model.state_dict()
+        if set(model_state) != set(expected) or any(model_state[k].shape != expected[k].shape for k in expected):
+            raise ValueError(f"{path}: the saved model does not match this model's parameters")
+        model.load_state_dict(model_state)
+    optimizer.load_state_dict(target)
+    own = f"extra.rank{optimizer.rank}"
+    prefix = own if any(k.startswith(own + ".") for k in state) else "extra.rank0"
+    return _unflatten(state, prefix) if any(k.startswith(prefix + ".") for k in state) else {}
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (as named by ``root/latest``), or None."""
+    root = Path(root)
+    try:
+        name = (root / _LATEST).read_text().strip()
+    except OSError:
+        return None
+    candidate = root / name
+    return candidate if (candidate / ".metadata").is_file() else None
+
+
+def full_state_dict(optimizer: AccoOptimizer) -> dict[str, Any] | None:
+    """The whole optimizer state in plain per-parameter form, on rank 0 (None elsewhere).
+
+    ``{"param_groups": [...], "groups": [{"master": [tensor per parameter],
+    "state": [dict per parameter], "pending_grad": [...]}], "num_updates": n}``: for export,
+    inspection, or loading into an unsharded optimizer.
+
+    .. warning:: Collective: every rank must call it.
+    """
+    local = optimizer.state_dict()
+    buffer = io.BytesIO()
+    torch.save(local, buffer)
+    gathered = optimizer._comm.gather_bytes(buffer.getvalue())
+    if gathered is None:
+        return None
+    saved = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
+    groups = [_canonical(saved, index) for index in range(len(saved[0]["acco"]["groups"]))]
+    return {
+        "param_groups": saved[0]["param_groups"],
+        "num_updates": saved[0]["acco"]["num_updates"],
+        "groups": [{"master": g.master, "state": g.state, "pending_grad": g.grad_sum} for g in groups],
+    }
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's reader, with its pickled metadata read by an unpickler that only admits the
+    classes DCP's metadata is made of."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, dcp.Metadata):
+            raise ValueError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _ALLOWED_BUILTINS = frozenset({"set", "frozenset", "dict", "list", "tuple", "slice", "complex"})
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch" and name in {"strided", "sparse_coo", "contiguous_format", "preserve_format"})
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "collections" and name == "OrderedDict")
+            or (module == "builtins" and name in self._ALLOWED_BUILTINS)
+            or (module == "pathlib" and name in {"PosixPath", "WindowsPath", "PurePosixPath"})
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        return super().find_class(module, name)
+
+
+# --------------------------------------------------------------------- resharding
+
+
+@dataclass
+class _CanonicalGroup:
+    """One param group's state per parameter, independent of world size and layout."""
+
+    master: list[Tensor]
+    state: list[dict[str, Any]]
+    in_flight: list[Tensor] | None
+    grad_sum: list[Tensor]
+
+
+def reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> dict[str, Any]:
+    """``optimizer``'s own state dict, re-partitioned from every old rank's state dict."""
+    first = saved[0]["acco"]
+    if len(first["groups"]) != len(optimizer.param_groups):
+        raise ValueError(
+            f"checkpoint has {len(first['groups'])} param groups, this optimizer {len(optimizer.param_groups)}"
+        )
+    rank = optimizer.rank
+    groups = []
+    for index, plan in enumerate(optimizer.shard_plans):
+        old = first["groups"][index]
+        if [list(s.shape) for s in plan.slots] != old["shapes"]:
+            raise ValueError(f"param group {index}: the checkpoint's parameter shapes differ from this model's")
+        canonical = _canonical(saved, index)
+        groups.append(
+            {
+                **{k: old[k] for k in ("optimizer_class", "param_dtype", "reduce_dtype", "shapes")},
+                "layout": plan.layout.value,
+                "chunk": plan.chunk,
+                "master": _shard(plan, rank, canonical.master, torch.float32 if old["master"].dtype != torch.float64
+                                 else torch.float64),
+                "base_state": _shard_state(plan, rank, canonical.state),
+                "in_flight_result": None
+                if canonical.in_flight is None
+                else _shard(plan, rank, canonical.in_flight, old["in_flight_result"].dtype),
+                "grad_accumulator": _full(plan, canonical.grad_sum, old["grad_accumulator"].dtype)
+                if rank == 0
+                else torch.zeros(plan.padded_numel, dtype=old["grad_accumulator"].dtype),
+            }
+        )
+    round_ = dict(first["round"])
+    for key in ("pending_weight", "round_weight", "pending_micro_batches", "round_micro_batches"):
+        total = sum(s["acco"]["round"][key] for s in saved)
+        round_[key] = total if rank == 0 else type(total)(0)
+    return {
+        "state": {},
+        "param_groups": saved[0]["param_groups"],
+        "acco": {**first, "rank": rank, "world_size": optimizer.world_size, "round": round_, "groups": groups},
+    }
+
+
+def _needs_reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> bool:
+    first = saved[0]["acco"]
+    layouts = [g["layout"] for g in first["groups"]]
+    return len(saved) != optimizer.world_size or layouts != [p.layout.value for p in optimizer.shard_plans]
+
+
+def _canonical(saved: list[dict[str, Any]], index: int) -> _CanonicalGroup:
+    groups = [s["acco"]["groups"][index] for s in saved]
+    first = groups[0]
+    plan = plan_layout(Layout(first["layout"]), first["shapes"], len(saved))
+    master = _per_param(plan, torch.cat([g["master"] for g in groups]))
+    in_flight = None
+    if first["in_flight_result"] is not None:
+        in_flight = _per_param(plan, torch.cat([g["in_flight_result"] for g in groups]))
+    grad_sum = _per_param(plan, torch.stack([g["grad_accumulator"] for g in groups]).sum(0))
+    state: list[dict[str, Any]] = [{} for _ in plan.slots]
+    if plan.layout is Layout.FLAT:
+        for key in {k for g in groups for s in g["base_state"].values() for k in s}:
+            values = [g["base_state"].get(0, {}).get(key) for g in groups]
+            if all(isinstance(v, Tensor) and v.shape == (plan.chunk,) for v in values):
+                for i, value in enumerate(_per_param(plan, torch.cat(values))):
+                    state[i][key] = value
+            else:  # a per-shard scalar such as Adam's step: the same on every rank
+                present = next(v for v in values if v is not None)
+                for i in range(len(plan.slots)):
+                    state[i][key] = present
+    else:
+        for rank, group in enumerate(groups):
+            for local, param_index in enumerate(plan.owned(rank)):
+                state[param_index] = dict(group["base_state"].get(local, {}))
+    return _CanonicalGroup(master, state, in_flight, grad_sum)
+
+
+def _per_param(plan: ShardPlan, full: Tensor) -> list[Tensor]:
+    return [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in plan.slots]
+
+
+def _full(plan: ShardPlan, values: list[Tensor], dtype: torch.dtype) -> Tensor:
+    full = torch.zeros(plan.padded_numel, dtype=dtype)
+    for slot, value in zip(plan.slots, values):
+        full[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
+    return full
+
+
+def _shard(plan: ShardPlan, rank: int, values: list[Tensor], dtype: torch.dtype) -> Tensor:
+    start, stop = plan.rank_range(rank)
+    return _full(plan, values, dtype)[start:stop].clone()
+
+
+def _shard_state(plan: ShardPlan, rank: int, state: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    if plan.layout is Layout.TENSOR:
+        return {local: dict(state[i]) for local, i in enumerate(plan.owned(rank)) if state[i]}
+    keys = {k for s in state for k in s}
+    if not keys:
+        return {}
+    shard: dict[str, Any] = {}
+    for key in keys:
+        values = [s.get(key) for s in state]
+        if all(isinstance(v, Tensor) and v.shape == slot.shape for v, slot in zip(values, plan.slots)):
+            shard[key] = _shard(plan, rank, values, values[0].dtype)
+        else:
+            shard[key] = next(v for v in values if v is not None)
+    return {0: shard}
+
+
+# ------------------------------------------------------------ tensors-only storage
+
+
+def _flatten_into(out: dict[str, Tensor], prefix: str, value: Any) -> None:
+    """Tensors to ``out[prefix.tN]``; everything else to JSON in ``out[prefix.skeleton]``."""
+    tensors: list[Tensor] = []
+
+    def encode(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            tensors.append(v.detach().cpu())
+            return {"tensor": len(tensors) - 1}
+        if isinstance(v, dict):
+            return {"dict": [[encode(k), encode(x)] for k, x in v.items()]}
+        if isinstance(v, tuple):
+            return {"tuple": [encode(x) for x in v]}
+        if isinstance(v, list):
+            return {"list": [encode(x) for x in v]}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return {"value": v}
+        raise TypeError(f"cannot store a {type(v).__name__} in an acco checkpoint")
+
+    out[f"{prefix}.skeleton"] = _json_tensor(encode(value))
+    for number, tensor in enumerate(tensors):
+        out[f"{prefix}.t{number}"] = tensor
+
+
+def _unflatten(state: Mapping[str, Tensor], prefix: str) -> Any:
+    skeleton = json.loads(bytes(state[f"{prefix}.skeleton"].tolist()).decode())
+
+    def decode(v: dict[str, Any]) -> Any:
+        (kind, content), = v.items()
+        if kind == "tensor":
+            return state[f"{prefix}.t{content}"]
+        if kind == "dict":
+            return {decode(k): decode(x) for k, x in content}
+        if kind == "tuple":
+            return tuple(decode(x) for x in content)
+        if kind == "list":
+            return [decode(x) for x in content]
+        return content
+
+    return decode(skeleton)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _dcp_group(optimizer: AccoOptimizer) -> dict[str, Any]:
+    if optimizer._comm.active:
+        return {"process_group": optimizer._comm.group}
+    return {"no_dist": True}
+
+
+def _digest(tensor: Tensor) -> str:
+    """A position-weighted byte sum: catches flipped, shifted or zeroed bytes (not forgery)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(data.numel(), dtype=torch.int64) % 65521 + 1
+    return f"{data.numel()}:{int(data.sum())}:{int(((data + 1) * weights).sum())}"
+
+
+def _json_tensor(value: Any) -> Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
