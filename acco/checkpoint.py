@@ -14,18 +14,21 @@ the old ranks (their sum is what the next update uses) and given to the new rank
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import pickle
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 
 from acco.optim import AccoOptimizer, _check_state_dict
@@ -79,7 +82,8 @@ def save(
     # DCP keeps no checksums: each rank records the digests of what it writes.
     digests = {key: _digest(value) for key, value in state.items()}
     state[f"acco.rank{rank}.digests"] = _json_tensor(digests)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
     comm.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -126,8 +130,9 @@ def load(
             raise ValueError(f"{path}: entry {key!r} is not a tensor; refusing to unpickle it")
         state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
-    except Exception as error:  # noqa: BLE001 - DCP wraps per-rank failures in several types
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
+    except (Exception, CheckpointException) as error:  # DCP's own exception is a BaseException
         raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
     for r in ranks:
         for key, digest in json.loads(bytes(state[f"acco.rank{r}.digests"].tolist()).decode()).items():
@@ -395,6 +400,14 @@ def _dcp_group(optimizer: AccoOptimizer) -> dict[str, Any]:
     if optimizer._comm.active:
         return {"process_group": optimizer._comm.group}
     return {"no_dist": True}
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns that it assumes a single process even when told so with no_dist=True.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _digest(tensor: Tensor) -> str:
