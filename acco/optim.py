@@ -96,7 +96,8 @@ class RoundStats:
         lane_start / lane_end: when the comm lane started and finished the round.
         phase_seconds: time spent in each lane phase (``weights``, ``reduce-scatter``,
             ``update``, ``all-gather``).
-        wait_seconds: how long the compute lane blocked in ``step()`` for this round.
+        wait_seconds / wait_start / wait_end: how long (and when) the compute lane
+            blocked in ``step()`` for this round.
         grad_norm: the global 2-norm of the averaged gradient before clipping (only with
             ``max_grad_norm``; a ``grad-norm`` phase then appears in ``phase_seconds``).
     """
@@ -112,6 +113,8 @@ class RoundStats:
     lane_end: float = math.nan
     phase_seconds: dict[str, float] = field(default_factory=dict)
     wait_seconds: float = 0.0
+    wait_start: float = math.nan
+    wait_end: float = math.nan
     grad_norm: float = math.nan
     phase: str = "queued"
 
@@ -121,10 +124,12 @@ class RoundStats:
 
     @property
     def hidden_share(self) -> float:
-        """Share of the lane's time that the compute lane did not wait for, in [0, 1]."""
+        """Share of the round's comm-lane time that ran while the compute lane computed
+        (did not overlap the compute lane's wait for it), in [0, 1]."""
         if not self.lane_seconds > 0:
             return 1.0
-        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.lane_seconds))
+        waited_during_round = max(0.0, min(self.lane_end, self.wait_end) - max(self.lane_start, self.wait_start))
+        return min(1.0, max(0.0, 1.0 - waited_during_round / self.lane_seconds))
 
 
 @dataclass
@@ -445,7 +450,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         except BaseException as error:
             self._failure = error
             raise
-        stats.wait_seconds = time.perf_counter() - started
+        stats.wait_start, stats.wait_end = started, time.perf_counter()
+        stats.wait_seconds = stats.wait_end - started
         round_.finished = True
         self.round_stats.append(stats)
         return stats
