@@ -48,6 +48,7 @@ def save(
     optimizer: AccoOptimizer,
     model: nn.Module | None = None,
     extra: Mapping[str, Any] | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Write a sharded checkpoint to ``directory``, atomically.
 
@@ -61,6 +62,8 @@ def save(
         model: its ``state_dict()`` is saved once (parameters are identical on all ranks).
         extra: this rank's own values (tensors, numbers, strings, lists, dicts), e.g. the
             data position; returned by :func:`load` on the same rank.
+        keep: if given, then once this checkpoint is complete only the ``keep`` newest
+            complete checkpoints beside it are kept.
 
     .. warning:: Collective: every rank must call it with the same ``directory``.
     """
@@ -89,6 +92,8 @@ def save(
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _write_atomically(final.parent / _LATEST, final.name)
+        if keep is not None:
+            _prune(final.parent, keep, final)
     comm.barrier()
     return final
 
@@ -385,6 +390,13 @@ def _unflatten(state: Mapping[str, Tensor], prefix: str) -> Any:
         return content
 
     return decode(skeleton)
+
+
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    complete = [d for d in root.iterdir() if (d / ".metadata").is_file() and d != newest]
+    complete.sort(key=lambda d: d.stat().st_mtime)
+    for old in complete[: max(0, len(complete) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:

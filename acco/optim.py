@@ -373,6 +373,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @property
+    def in_flight(self) -> RoundKind | None:
+        """The kind of the round on the comm lane (None in ``sync`` mode or before the
+        first ``step()``); the same on every rank. ``num_updates + (in_flight is
+        RoundKind.COMMIT)`` is the number of updates there will be once it lands."""
+        return None if self._in_flight is None else self._in_flight.kind
+
+    @property
     def world_size(self) -> int:
         return self._comm.world_size
 

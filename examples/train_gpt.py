@@ -17,6 +17,15 @@ Your own text (a file, or every text file under a directory):
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --data path/to/text
 
+Heterogeneous ranks: rank 1 three times slower, the others accumulating more micro-batches
+while the round in flight is not done instead of idling:
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --slowdown 1:3 --accumulate-while-waiting
+
+Checkpoints every 50 updates, resumed automatically (also after a rank is killed):
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir runs/ckpt
+
 With no ``--data`` the corpus is the ``.py`` files of Python's standard library, read as
 bytes (a vocabulary of 256); the last 5% is held out for evaluation. A distributed launch
 is detected from the ``RANK`` environment variable that torchrun sets.
@@ -24,12 +33,15 @@ is detected from the ``RANK`` environment variable that torchrun sets.
 One optimizer update covers ``--micro-batches-per-update`` micro-batches per rank in every
 mode. ``sync`` and ``dpu`` commit an update every round, so a round is that many
 micro-batches; ``acco`` commits every second round (an estimate round, then a commit round
-that adds both rounds' gradients), so its rounds are half as long.
+that adds both rounds' gradients), so its rounds are half as long. AdamW with no weight
+decay on biases, LayerNorms and embeddings, gradient clipping at 1.0 and a cosine schedule
+with warm-up, stepped once per committed update (``if opt.step(): scheduler.step()``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -44,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from acco import AccoOptimizer
+from acco import AccoOptimizer, RoundKind, checkpoint
 
 VOCAB_SIZE = 256  # bytes
 EVAL_FRACTION = 0.05
@@ -67,13 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--n-head", type=int, default=4)
     add("--seq-len", type=int, default=64)
     add("--batch-size", type=int, default=8, help="sequences per micro-batch, per rank")
-    add("--lr", type=float, default=3e-3)
+    add("--lr", type=float, default=3e-3, help="peak learning rate")
+    add("--warmup", type=int, default=20, help="updates of linear warm-up before the cosine decay")
+    add("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     add("--updates", type=int, default=400, help="committed optimizer updates to train for")
     add("--micro-batches-per-update", type=int, default=4, help="per rank; must be even for --mode acco")
     add("--eval-every", type=int, default=100, help="evaluate every this many updates (0: only at the end)")
     add("--eval-batches", type=int, default=8)
     add("--log-every", type=int, default=20, help="print progress every this many updates")
     add("--seed", type=int, default=1337)
+    add("--timeout", type=float, default=300, help="seconds before a stuck collective fails (and torchrun restarts)")
+    add("--accumulate-while-waiting", action="store_true",
+        help="keep accumulating micro-batches until the round in flight has landed (heterogeneous ranks)")
+    add("--slowdown", default=None, metavar="RANK:FACTOR", help="make one rank FACTOR times slower, e.g. 1:3")
+    add("--ckpt-dir", default=None, help="save checkpoints here and resume from the newest one")
+    add("--ckpt-every", type=int, default=50, help="checkpoint every this many updates")
+    add("--save-final", default=None, help="rank 0 saves the final model state dict here")
     args = parser.parse_args(argv)
     if args.mode == "acco" and args.micro_batches_per_update % 2:
         parser.error("--mode acco splits an update into two rounds: --micro-batches-per-update must be even")
@@ -100,7 +121,7 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed(device_type: str, backend: str | None) -> Dist:
+def setup_distributed(device_type: str, backend: str | None, timeout: datetime.timedelta) -> Dist:
     """Join the process group when launched by torchrun (``RANK`` is set); else one process."""
     if "RANK" not in os.environ:
         device = torch.device(device_type)
@@ -114,7 +135,17 @@ def setup_distributed(device_type: str, backend: str | None) -> Dist:
         # Every rank on one machine shares its cores: don't oversubscribe them.
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
-    dist.init_process_group(backend=backend or ("nccl" if device_type == "cuda" else "gloo"))
+    # Under `torchrun --max-restarts`, a restarted group must not read the addresses its
+    # dead predecessors left in the store: prefix the keys with the restart count.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend=backend or ("nccl" if device_type == "cuda" else "gloo"),
+        store=dist.PrefixStore(f"attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
     return Dist(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
 
@@ -193,16 +224,6 @@ def sample_batch(data: Tensor, batch_size: int, seq_len: int, generator: torch.G
     starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=generator)
     windows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
-
-
-def train_batches(
-    data: Tensor, batch_size: int, seq_len: int, seed: int, device: torch.device
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """An endless stream of training batches; ``seed`` differs per rank, so does the data."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        x, y = sample_batch(data, batch_size, seq_len, generator)
-        yield x.to(device), y.to(device)
 
 
 def eval_batches(
@@ -316,6 +337,28 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
 # ------------------------------------------------------------------------------ training
 
 
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only; none on biases, LayerNorms and embeddings."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        is_matrix = param.dim() >= 2 and "emb" not in name
+        (decay if is_matrix else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class WarmupCosine:
+    """LambdaLR factor: linear warm-up, then cosine decay to ``floor`` of the peak."""
+
+    def __init__(self, warmup: int, total: int, floor: float = 0.1) -> None:
+        self.warmup, self.total, self.floor = warmup, total, floor
+
+    def __call__(self, update: int) -> float:
+        if update < self.warmup:
+            return (update + 1) / (self.warmup + 1)
+        progress = min(1.0, (update - self.warmup) / max(1, self.total - self.warmup))
+        return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def micro_batches_per_round(mode: str, micro_batches_per_update: int) -> int:
     """acco commits every second round, so its rounds carry half an update's micro-batches."""
     return micro_batches_per_update // 2 if mode == "acco" else micro_batches_per_update
@@ -325,29 +368,32 @@ def rounds_per_update(mode: str) -> int:
     return 2 if mode == "acco" else 1
 
 
-def recent_hidden_share(opt: AccoOptimizer, since_round: int) -> float:
-    """Mean share of the comm lane's time hidden behind compute, over rounds >= since_round."""
-    shares = [s.hidden_share for s in opt.round_stats if s.index >= since_round]
-    return statistics.fmean(shares) if shares else math.nan
+def parse_slowdown(spec: str | None) -> tuple[int, int] | None:
+    if spec is None:
+        return None
+    rank, _, factor = spec.partition(":")
+    if not (rank.isdigit() and factor.isdigit() and int(factor) >= 1):
+        raise SystemExit(f"--slowdown {spec!r}: expected RANK:FACTOR with a whole FACTOR >= 1, e.g. 1:3")
+    return int(rank), int(factor)
 
 
 class Progress:
-    """Rank 0's running tally between progress lines; eval time is left out of samples/s."""
+    """Rank 0's running tally between progress lines, from the optimizer's round telemetry.
 
-    def __init__(self, samples_per_micro_batch: int) -> None:
-        self.samples_per_micro_batch = samples_per_micro_batch
-        self.start = time.perf_counter()
-        self.paused = 0.0  # seconds spent evaluating
-        self.total_micro_batches = 0
-        self.window_start = self.start
-        self.window_paused = 0.0
-        self.window_micro_batches = 0
+    Samples/s counts every rank's micro-batches in the landed rounds (global, from
+    ``round_stats``) over the wall time, leaving evaluation and checkpoint time out.
+    """
+
+    def __init__(self, opt: AccoOptimizer, sequences_per_micro_batch: int) -> None:
+        self.opt = opt
+        self.sequences = sequences_per_micro_batch
+        self.start = self.window_start = time.perf_counter()
+        self.paused = self.window_paused = 0.0
+        self.samples = 0
         self.window_losses: list[float] = []
         self.next_round = 0
 
     def micro_batch(self, loss: float) -> None:
-        self.total_micro_batches += 1
-        self.window_micro_batches += 1
         self.window_losses.append(loss)
 
     def pause(self, seconds: float) -> None:
@@ -358,83 +404,155 @@ class Progress:
         return time.perf_counter() - self.start
 
     def total_samples_per_second(self) -> float:
-        return self.total_micro_batches * self.samples_per_micro_batch / (self.elapsed() - self.paused)
+        self._collect([])
+        return self.samples / (self.elapsed() - self.paused)
 
-    def line(self, update: int, updates: int, opt: AccoOptimizer) -> str:
+    def _collect(self, rounds: list) -> None:
+        for stats in self.opt.round_stats:
+            if stats.index >= self.next_round:
+                rounds.append(stats)
+                self.samples += stats.global_micro_batches * self.sequences
+        if rounds:
+            self.next_round = rounds[-1].index + 1
+
+    def line(self, update: int, updates: int, lr: float) -> str:
+        samples_before = self.samples
+        rounds: list = []
+        self._collect(rounds)
         now = time.perf_counter()
-        rate = self.window_micro_batches * self.samples_per_micro_batch / (now - self.window_start - self.window_paused)
+        rate = (self.samples - samples_before) / (now - self.window_start - self.window_paused)
         loss = statistics.fmean(self.window_losses) if self.window_losses else math.nan
-        hidden = recent_hidden_share(opt, self.next_round)
-        self.next_round = opt.round_stats[-1].index + 1 if opt.round_stats else 0
-        self.window_start, self.window_paused, self.window_micro_batches = now, 0.0, 0
-        self.window_losses = []
+        hidden = statistics.fmean(r.hidden_share for r in rounds) if rounds else math.nan
+        local = statistics.fmean(r.local_micro_batches for r in rounds) if rounds else math.nan
+        total = statistics.fmean(r.global_micro_batches for r in rounds) if rounds else math.nan
+        norms = [r.grad_norm for r in rounds if r.kind is RoundKind.COMMIT and not math.isnan(r.grad_norm)]
+        norm = norms[-1] if norms else math.nan
+        self.window_start, self.window_paused, self.window_losses = now, 0.0, []
         return (
-            f"update {update:4d}/{updates} | train loss (rank 0) {loss:.4f} | {rate:7.1f} samples/s | "
-            f"{now - self.start:6.1f} s | comm hidden {hidden:4.0%}"
+            f"update {update:4d}/{updates} | train loss (rank 0) {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
+            f"{rate:7.1f} samples/s | micro-batches/round rank 0 {local:.1f} all {total:.1f} | "
+            f"comm hidden {hidden:4.0%} | {now - self.start:6.1f} s"
         )
 
 
-def timed_eval(model: nn.Module, batches: list[tuple[Tensor, Tensor]], progress: Progress) -> float:
+def timed(progress: Progress, fn, *args):  # type: ignore[no-untyped-def]
+    """Run ``fn`` with the clock paused (evaluation, checkpoints)."""
     started = time.perf_counter()
-    loss = evaluate(model, batches)
+    result = fn(*args)
     progress.pause(time.perf_counter() - started)
-    return loss
+    return result
 
 
 def train(args: argparse.Namespace, ctx: Dist) -> None:
     corpus = load_corpus(args.data, args.max_bytes)
     train_data, held_out = split_corpus(corpus, args.seq_len)
-    batches = train_batches(train_data, args.batch_size, args.seq_len, args.seed + ctx.rank, ctx.device)
+    generator = torch.Generator().manual_seed(args.seed + ctx.rank)  # each rank its own data
     eval_set = eval_batches(held_out, args.eval_batches, args.batch_size, args.seq_len, args.seed, ctx.device)
+    slowdown = parse_slowdown(args.slowdown)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank (acco also broadcasts rank 0's)
     config = GPTConfig(args.n_layer, args.n_embd, args.n_head, args.seq_len)
     model = GPT(config).to(ctx.device)
     opt = AccoOptimizer(
-        model, torch.optim.AdamW, mode=args.mode, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1
+        param_groups(model, weight_decay=0.1),
+        torch.optim.AdamW,
+        mode=args.mode,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        max_grad_norm=args.grad_clip or None,
+        timeout=datetime.timedelta(seconds=args.timeout),
     )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.warmup, args.updates))
+
+    # Resume from the newest complete checkpoint: model, optimizer shards, the round in
+    # flight, the schedule and this rank's data position.
+    first_round = 0
+    latest = checkpoint.latest_checkpoint(args.ckpt_dir) if args.ckpt_dir else None
+    if latest is not None:
+        extra = checkpoint.load(latest, opt, model)
+        scheduler.load_state_dict(extra["scheduler"])
+        generator.set_state(extra["generator"])
+        first_round = extra["next_round"]
+        print0(ctx, f"resumed from {latest} at update {opt.num_updates}")
+
+    def save_checkpoint(next_round: int) -> None:
+        extra = {"scheduler": scheduler.state_dict(), "generator": generator.get_state(), "next_round": next_round}
+        checkpoint.save(Path(args.ckpt_dir) / f"update-{opt.num_updates:06d}", opt, model, extra, keep=2)
 
     per_round = micro_batches_per_round(args.mode, args.micro_batches_per_update)
-    rounds = args.updates * rounds_per_update(args.mode)
     print0(
         ctx,
         f"mode {args.mode} | {ctx.world_size} rank(s) on {ctx.device} | "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | "
         f"corpus {len(train_data):,} train + {len(held_out):,} held-out bytes | "
         f"{args.updates} updates x {args.micro_batches_per_update} micro-batches x {args.batch_size} sequences "
-        f"x {ctx.world_size} rank(s) | {per_round} micro-batches per round",
+        f"x {ctx.world_size} rank(s) | {per_round} micro-batches per round"
+        + (" (or more, while the round in flight is not done)" if args.accumulate_while_waiting else ""),
     )
-    progress = Progress(args.batch_size * ctx.world_size)
-    print0(ctx, f"update    0 | eval loss {timed_eval(model, eval_set, progress):.4f}")
+    progress = Progress(opt, args.batch_size)
+    if first_round == 0:
+        print0(ctx, f"update    0 | eval loss {timed(progress, evaluate, model, eval_set):.4f}")
 
-    # Every round ends with step(); the last round's update lands in finish(), so every
-    # mode computes exactly updates * micro_batches_per_update micro-batches per rank.
-    for _ in range(rounds):
-        for _ in range(per_round):
-            x, y = next(batches)
-            loss = loss_fn(model, x, y)
-            loss.backward()
-            opt.accumulate(weight=x.numel())  # the loss is a mean over this many tokens
-            progress.micro_batch(loss.item())
-        if opt.step():  # the model now holds a newly committed update
-            update = opt.num_updates
-            if update % args.log_every == 0:
-                print0(ctx, progress.line(update, args.updates, opt))
-            if args.eval_every and update % args.eval_every == 0 and update < args.updates:
-                print0(ctx, f"update {update:4d} | eval loss {timed_eval(model, eval_set, progress):.4f}")
-    landed = opt.finish()  # acco and dpu: the last round's update lands here
-    if progress.window_micro_batches and (landed or opt.num_updates % args.log_every):
-        print0(ctx, progress.line(opt.num_updates, args.updates, opt))
-    assert opt.num_updates == args.updates, (opt.num_updates, args.updates)
+    def micro_batch() -> None:
+        x, y = sample_batch(train_data, args.batch_size, args.seq_len, generator)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        if slowdown is not None and slowdown[0] == ctx.rank:
+            for _ in range(slowdown[1] - 1):  # a slower device: the same work, repeated
+                loss_fn(model, x, y).backward()
+                opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.accumulate(weight=x.numel())  # the loss is a mean over this many tokens
+        progress.micro_batch(loss.item())
 
-    final = timed_eval(model, eval_set, progress)
+    def end_round(next_round: int) -> None:
+        if not opt.step():
+            return
+        scheduler.step()  # once per committed update
+        update = opt.num_updates
+        if update % args.log_every == 0:
+            print0(ctx, progress.line(update, args.updates, scheduler.get_last_lr()[0]))
+        if args.eval_every and update % args.eval_every == 0 and update < args.updates:
+            print0(ctx, f"update {update:4d} | eval loss {timed(progress, evaluate, model, eval_set):.4f}")
+        if args.ckpt_dir and args.ckpt_every and update % args.ckpt_every == 0 and update < args.updates:
+            timed(progress, save_checkpoint, next_round)
+
+    if args.accumulate_while_waiting:
+        # Heterogeneous ranks: after the usual micro-batches, keep accumulating until the
+        # round in flight has landed. Every rank stops on the same round: the number of
+        # updates, counting the one in flight, is the same everywhere at every boundary.
+        round_index = first_round
+        while opt.num_updates + (opt.in_flight is RoundKind.COMMIT) < args.updates:
+            for _ in range(per_round):
+                micro_batch()
+            while not opt.ready():
+                micro_batch()
+            round_index += 1
+            end_round(round_index)
+    else:
+        # Every round ends with step(); the last round's update lands in finish(), so every
+        # mode computes exactly updates * micro_batches_per_update micro-batches per rank.
+        for round_index in range(first_round, args.updates * rounds_per_update(args.mode)):
+            for _ in range(per_round):
+                micro_batch()
+            end_round(round_index + 1)
+    if opt.finish():  # acco and dpu: the last update lands here
+        scheduler.step()
+    if progress.window_losses:
+        print0(ctx, progress.line(opt.num_updates, args.updates, scheduler.get_last_lr()[0]))
+    if opt.num_updates != args.updates:
+        raise AssertionError(f"trained {opt.num_updates} updates, expected {args.updates}")
+
+    final = timed(progress, evaluate, model, eval_set)
     print0(ctx, f"{progress.total_samples_per_second():.1f} samples/s over {progress.elapsed():.1f} s")
     print0(ctx, f"final eval loss {final:.4f}")
+    if args.save_final and ctx.master:
+        torch.save(model.state_dict(), args.save_final)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    ctx = setup_distributed(args.device, args.backend)
+    ctx = setup_distributed(args.device, args.backend, datetime.timedelta(seconds=args.timeout))
     try:
         train(args, ctx)
     finally:

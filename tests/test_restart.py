@@ -1,0 +1,77 @@
+"""The example under torchrun with restarts: a rank killed with SIGKILL after a checkpoint
+costs only the work since that checkpoint, and the run ends where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(300)
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
+        "--max-bytes", "200000", "--eval-batches", "2", "--eval-every", "0", "--log-every", "50",
+        "--updates", "240", "--ckpt-every", "20", "--timeout", "20"]
+
+
+def torchrun(tmp: Path, name: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "--max-restarts=5", str(EXAMPLE), *TINY, "--ckpt-dir", str(tmp / name / "ckpt"),
+               "--save-final", str(tmp / name / "final.pt"), *extra]
+    (tmp / name).mkdir()
+    log = open(tmp / name / "log.txt", "w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def worker_with_rank(parent: int, rank: int) -> int | None:
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+    return None
+
+
+def finish(process: subprocess.Popen, tmp: Path, name: str) -> str:
+    try:
+        process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    log = (tmp / name / "log.txt").read_text()
+    assert process.returncode == 0, log[-3000:]
+    return log
+
+
+@pytest.mark.parametrize("mode", ["acco"])
+def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, mode):
+    reference = torchrun(tmp_path, "uninterrupted", "--mode", mode)
+    finish(reference, tmp_path, "uninterrupted")
+
+    run = torchrun(tmp_path, "killed", "--mode", mode)
+    latest = tmp_path / "killed" / "ckpt" / "latest"
+    deadline = time.monotonic() + 200
+    while not latest.exists():
+        assert run.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    victim = worker_with_rank(run.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    log = finish(run, tmp_path, "killed")
+    assert "resumed from" in log, log[-3000:]
+
+    expected = torch.load(tmp_path / "uninterrupted" / "final.pt", weights_only=True)
+    actual = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
