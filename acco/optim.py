@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.streams import LaneFuture, make_lane
 
-__all__ = ["AccoOptimizer", "CommLaneError", "Mode", "RoundKind", "RoundStats"]
+__all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
 
 
 class Mode(str, enum.Enum):
@@ -47,6 +47,13 @@ class Mode(str, enum.Enum):
     SYNC = "sync"
     DPU = "dpu"
     ACCO = "acco"
+
+
+class NonFinite(str, enum.Enum):
+    """What a round does when some rank's gradients hold NaN or inf."""
+
+    RAISE = "raise"  # CommLaneError on every rank; shards and state untouched
+    SKIP = "skip"  # no update on any rank; reported in RoundStats.skipped and skipped_updates
 
 
 class RoundKind(str, enum.Enum):
@@ -98,6 +105,8 @@ class RoundStats:
             ``update``, ``all-gather``).
         wait_seconds / wait_start / wait_end: how long (and when) the compute lane
             blocked in ``step()`` for this round.
+        skipped: the round saw non-finite gradients and, with ``nonfinite="skip"``,
+            changed nothing.
         grad_norm: the global 2-norm of the averaged gradient before clipping (only with
             ``max_grad_norm``; a ``grad-norm`` phase then appears in ``phase_seconds``).
     """
@@ -116,6 +125,7 @@ class RoundStats:
     wait_start: float = math.nan
     wait_end: float = math.nan
     grad_norm: float = math.nan
+    skipped: bool = False
     phase: str = "queued"
 
     @property
@@ -177,7 +187,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             micro-batches lose precision (a warning says so); ``torch.float32`` avoids it.
             The master shard and the optimizer state are always fp32 (fp64 for fp64
             parameters).
-        timeout: limit for each comm-lane collective and for every wait on the lane.
+        nonfinite: ``"raise"`` (default): a NaN or inf in any rank's gradients makes the
+            round fail with ``CommLaneError`` on every rank, before anything is updated;
+            ``"skip"``: every rank skips that update (``step()`` returns False,
+            ``skipped_updates`` counts it). Detected on the comm lane, folded into the
+            round's one small all-reduce.
+        timeout: limit for each comm-lane collective and for every wait on the lane
+            (default 10 minutes): a dead or stuck rank makes the others raise within it.
         **defaults: hyper-parameters of the base optimizer (``lr=...``), the defaults of
             every param group. A group dict may name its own ``optimizer_class`` (e.g.
             ``torch.optim.Muon`` for hidden matrices) and ``layout``; such a group takes its
@@ -212,6 +228,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        nonfinite: NonFinite | str = NonFinite.RAISE,
         timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
         **defaults: Any,
     ) -> None:
@@ -219,6 +236,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         # checks pass, so a bad argument never leaves a half-built optimizer or a hung rank.
         _check_optimizer_class(optimizer_class)
         self.mode = _parse_enum(Mode, mode, "mode")
+        self.nonfinite = _parse_enum(NonFinite, nonfinite, "nonfinite")
         self.layout = None if layout is None else _parse_enum(Layout, layout, "layout")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number > 0, or None)")
@@ -257,7 +275,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         # Collectives from here on, on the user's group, before the lane exists.
         fingerprint = "|".join(
-            [self.mode.value, str(self.max_grad_norm)]
+            [self.mode.value, self.nonfinite.value, str(self.max_grad_norm)]
             + [f"{g['optimizer_class'].__qualname__}:{s.fingerprint()}" for g, s in zip(self.param_groups, self._groups)]
         )
         if not self._comm.same_on_all_ranks(fingerprint):
@@ -285,6 +303,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._failure: BaseException | None = None
         self.num_updates = 0
+        self.skipped_updates = 0
         self.committed_weight = 0.0
         self.round_stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
 
@@ -307,6 +326,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._check_usable("accumulate")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
             raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+        self._check_params_unchanged()
         with record_function("acco.accumulate"):
             found = [group.accumulate_grads(float(weight)) for group in self._groups]
         if not any(found):
@@ -336,6 +356,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("AccoOptimizer.step() takes no closure")
         self._check_usable("step")
+        if self._rounds_launched == 0 and self._round_micro_batches == 0:
+            raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
+        self._check_params_unchanged()
         with record_function("acco.step"):
             committed = self._land_in_flight()
             self._launch(self._next_kind)
@@ -349,13 +372,18 @@ class AccoOptimizer(torch.optim.Optimizer):
         A commit round in flight is landed; an estimate round in flight is dropped (the
         model already holds the committed parameters it started from). Gradients
         accumulated since the last handover are discarded. Idempotent; the optimizer
-        cannot be stepped afterwards.
+        cannot be used afterwards.
 
         Returns:
             True when landing the last round committed an update.
+
+        .. warning:: Collective: every rank must call it.
         """
         if self._closed:
             return False
+        if self._failure is not None:
+            self.close()
+            self._check_usable("finish")
         try:
             round_ = self._in_flight
             if round_ is not None and round_.kind is RoundKind.ESTIMATE:
@@ -364,8 +392,28 @@ class AccoOptimizer(torch.optim.Optimizer):
                 return False
             return self._land_in_flight()
         finally:
-            self._closed = True
-            self._lane.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop using the optimizer without landing the round in flight (not collective).
+
+        For error paths: the comm lane's thread stops once its current round ends (at the
+        latest after ``timeout``, since the other ranks will not join it). Idempotent.
+        """
+        self._closed = True
+        self._in_flight = None
+        self._lane.close()
+
+    def __enter__(self) -> AccoOptimizer:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *_: Any) -> None:
+        """``finish()`` after a clean exit; after an exception (KeyboardInterrupt included),
+        ``close()``, so one rank's failure never blocks it on the others."""
+        if error_type is None:
+            self.finish()
+        else:
+            self.close()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._sealed:
@@ -434,6 +482,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         with record_function("acco.load_params"):
             for group in self._groups:
                 group.load_params_from_buffer()
+        if round_.kind is RoundKind.COMMIT and stats.skipped:
+            self.skipped_updates += 1
+            return False
         if round_.kind is RoundKind.COMMIT:
             self.num_updates += 1
             self.committed_weight += stats.update_weight
@@ -463,11 +514,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.round_stats.append(stats)
         return stats
 
+    def _check_params_unchanged(self) -> None:
+        for number, group in enumerate(self._groups):
+            for index, (param, slot) in enumerate(zip(group.params, group.plan.slots)):
+                if param.shape != slot.shape or param.dtype != group.param_dtype:
+                    raise RuntimeError(
+                        f"parameter {index} of group {number} changed to {tuple(param.shape)} {param.dtype} after "
+                        f"construction (was {tuple(slot.shape)} {group.param_dtype}): build a new AccoOptimizer"
+                    )
+
     def _check_usable(self, call: str) -> None:
         if self._failure is not None:
             raise RuntimeError(f"{call}() after the comm lane failed: {self._failure}") from self._failure
         if self._closed:
-            raise RuntimeError(f"{call}() after finish(): the optimizer is finished")
+            raise RuntimeError(f"{call}() after finish() or close(): the optimizer is finished")
 
     # -------------------------------------------------------------------- comm lane
 
@@ -477,19 +537,25 @@ class AccoOptimizer(torch.optim.Optimizer):
         stats.lane_start = time.perf_counter()
         try:
             with self._phase(stats, "weights"):
+                nonfinite = not all(bool(torch.isfinite(g).all()) for g in round_.grads)
                 totals = torch.tensor(
-                    [round_.update_weight, stats.local_weight, stats.local_micro_batches], dtype=torch.float64
+                    [round_.update_weight, stats.local_weight, stats.local_micro_batches, nonfinite],
+                    dtype=torch.float64,
                 )
                 if self._lane_comm.backend == "nccl":
                     totals = totals.to(self._groups[0].device)
                 self._lane_comm.all_reduce_sum_(totals)
-                stats.update_weight, stats.global_weight, global_micro_batches = totals.tolist()
+                stats.update_weight, stats.global_weight, global_micro_batches, nonfinite_ranks = totals.tolist()
                 stats.global_micro_batches = int(global_micro_batches)
                 if not stats.update_weight > 0:
                     raise ValueError(
                         f"the total weight over all ranks is {stats.update_weight}: no rank called "
                         "accumulate() (with a positive weight) before step()"
                     )
+                if nonfinite_ranks and self.nonfinite is NonFinite.RAISE:
+                    raise FloatingPointError(f"non-finite gradients on {int(nonfinite_ranks)} rank(s)")
+            if nonfinite_ranks:
+                return self._skip_round(stats)
             with self._phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
                     self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
@@ -511,6 +577,16 @@ class AccoOptimizer(torch.optim.Optimizer):
             raise CommLaneError(
                 f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
             ) from error
+        stats.lane_end = time.perf_counter()
+        return stats
+
+    def _skip_round(self, stats: RoundStats) -> RoundStats:
+        """No update: the round's result is the committed parameters, unchanged."""
+        stats.skipped = True
+        with self._phase(stats, "all-gather"):
+            for group in self._groups:
+                group.gather_input.copy_(group.master)
+                self._lane_comm.all_gather(group.gathered, group.gather_input)
         stats.lane_end = time.perf_counter()
         return stats
 
@@ -561,7 +637,7 @@ class AccoOptimizer(torch.optim.Optimizer):
              "param_groups": [{hyper-parameters..., "optimizer_class": name, "layout": name,
                                "params": [indices]}],
              "acco": {"version": 1, "mode", "rank", "world_size", "max_grad_norm",
-                      "num_updates", "committed_weight",
+                      "num_updates", "skipped_updates", "committed_weight",
                       "round": {"rounds_launched", "next_kind", "in_flight_kind" (or None),
                                 "pending_weight", "pending_micro_batches",
                                 "round_weight", "round_micro_batches", "update_hyperparams"},
@@ -615,6 +691,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "world_size": self.world_size,
                 "max_grad_norm": self.max_grad_norm,
                 "num_updates": self.num_updates,
+                "skipped_updates": self.skipped_updates,
                 "committed_weight": self.committed_weight,
                 "round": {
                     "rounds_launched": self._rounds_launched,
@@ -653,6 +730,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 _load_base_state(sharded, base, values["base_state"])
         round_state = saved["round"]
         self.num_updates = int(saved["num_updates"])
+        self.skipped_updates = int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._rounds_launched = int(round_state["rounds_launched"])
         self._next_kind = RoundKind(round_state["next_kind"])

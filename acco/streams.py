@@ -45,12 +45,14 @@ def _work(tasks: queue.SimpleQueue) -> None:
         if item is None:
             return
         fn, future = item
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as error:  # handed to the compute lane, never swallowed
-            future.set_exception(error)
+        del item
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # handed to the compute lane, never swallowed
+                future.set_exception(error)
+        # The round's closure references the optimizer: drop it before waiting again.
+        del fn, future
 
 
 class ThreadLane:
@@ -69,13 +71,17 @@ class ThreadLane:
         self._tasks.put((fn, future))
         return future
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the worker after its current round; waits up to ``timeout`` seconds."""
-        if self._closed:
-            return
-        self._closed = True
-        self._tasks.put(None)
-        if threading.current_thread() is not self._thread:
+    def close(self, timeout: float = 0.0) -> None:
+        """Stop the worker once its current round (if any) ends; waits up to ``timeout`` s.
+
+        A round blocked in a collective ends when the collective does (at the latest after
+        the process group's timeout); the thread is a daemon, so it never keeps the
+        process alive.
+        """
+        if not self._closed:
+            self._closed = True
+            self._tasks.put(None)
+        if timeout > 0 and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     @property

@@ -88,8 +88,13 @@ def test_a_model_that_differs_across_ranks_fails_on_every_rank(ranks):
 
 
 def step_without_accumulate(mode: str) -> str:
-    opt = construct(mode=mode)
+    model = make_model()
+    opt = construct(params=model, mode=mode)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()
+    opt.step()
     try:
+        opt.step()  # a round in which no rank accumulated anything
         opt.step()
         opt.finish()
     except CommLaneError as error:
@@ -97,7 +102,7 @@ def step_without_accumulate(mode: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("mode", ["sync", "acco"])
+@pytest.mark.parametrize("mode", ["sync", "dpu"])
 def test_a_round_with_zero_total_weight_fails_on_every_rank(ranks, mode):
     for message in ranks(2).run(step_without_accumulate, mode):
         assert "total weight over all ranks is 0" in message
@@ -130,6 +135,8 @@ def test_misuse_of_the_compute_lane_is_reported_at_the_call():
     opt = construct(params=model, mode="acco")
     with pytest.raises(RuntimeError, match="no gradient"):
         opt.accumulate()
+    with pytest.raises(RuntimeError, match="before any accumulate"):
+        opt.step()
     loss_fn(model, *micro_batch(0, 0, 0)).backward()
     for bad in (-1.0, float("nan"), float("inf"), "2", True):
         with pytest.raises(ValueError, match="Invalid weight"):
