@@ -1,0 +1,133 @@
+"""Random sequences of calls: each behaves as documented or raises a documented error,
+never hangs, and leaves every rank with the same parameters."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from acco import AccoOptimizer, CommLaneError
+from tests.reference import loss_fn, make_model, micro_batch, params_of
+
+pytestmark = pytest.mark.timeout(240)
+OPERATIONS = ["accumulate", "accumulate", "accumulate_nothing", "step", "step", "ready", "state_dict", "reload",
+              "finish"]
+
+
+class Driver:
+    """Runs one sequence of calls and records what each did, checking the documented rules."""
+
+    def __init__(self, mode: str, layout: str) -> None:
+        self.mode, self.layout = mode, layout
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.model, self.opt = self._build()
+        self.saved: tuple[dict, dict] | None = None
+        self.finished = self.failed = False
+        self.accumulated = 0  # this round
+        self.rounds = 0
+        self.counter = 0
+
+    def _build(self):
+        model = make_model()
+        opt = AccoOptimizer(model, torch.optim.AdamW, mode=self.mode, layout=self.layout, lr=1e-2,
+                            timeout=datetime.timedelta(seconds=10))
+        return model, opt
+
+    def run(self, operation: str) -> str:
+        if operation == "reload" and (self.saved is None or self.finished or self.failed):
+            return "skipped"
+        try:
+            outcome = getattr(self, operation)()
+        except CommLaneError as error:
+            assert "total weight over all ranks is 0" in str(error), error
+            self.failed = True
+            return "CommLaneError"
+        except RuntimeError as error:
+            message = str(error)
+            if self.failed:
+                assert "after the comm lane failed" in message, message
+            elif self.finished:
+                assert "after finish" in message, message
+            else:
+                documented = ("no gradient", "before any accumulate", "fresh optimizer")
+                assert any(d in message for d in documented), message
+            return "RuntimeError"
+        assert not self.finished or operation in ("ready", "finish"), f"{operation} worked after finish()"
+        return f"ok:{outcome}"
+
+    def accumulate(self) -> None:
+        self.counter += 1
+        loss_fn(self.model, *micro_batch(self.rounds, self.rank, self.counter)).backward()
+        self.opt.accumulate()
+        self.accumulated += 1
+
+    def accumulate_nothing(self) -> None:
+        self.opt.accumulate()  # no backward: documented RuntimeError
+
+    def step(self) -> bool:
+        committed = self.opt.step()
+        self.rounds += 1
+        self.accumulated = 0
+        return committed
+
+    def ready(self) -> bool:
+        return self.opt.ready()
+
+    def state_dict(self) -> None:
+        state = self.opt.state_dict()
+        self.saved = ({k: v.clone() for k, v in self.model.state_dict().items()}, state)
+
+    def reload(self) -> None:
+        """Load the last saved state into a fresh model and optimizer, and go on with those."""
+        self.opt.close()
+        self.model, self.opt = self._build()
+        self.model.load_state_dict(self.saved[0])
+        self.opt.load_state_dict(self.saved[1])
+        return None
+
+    def finish(self) -> bool:
+        was_finished = self.finished
+        try:
+            return self.opt.finish()
+        finally:
+            self.finished = True
+            if was_finished:
+                assert self.opt.finish() is False
+
+    def close(self) -> dict:
+        if not self.finished:
+            self.opt.close()
+        params = params_of(self.model)
+        assert all(torch.isfinite(v).all() for v in params.values())
+        return params
+
+
+def run_sequence(mode: str, layout: str, operations: list[str]) -> dict:
+    driver = Driver(mode, layout)
+    outcomes = [driver.run(op) for op in operations]
+    return {"outcomes": outcomes, "params": driver.close()}
+
+
+sequences = st.lists(st.sampled_from(OPERATIONS), min_size=1, max_size=14)
+configs = st.sampled_from([("acco", "flat"), ("dpu", "tensor"), ("sync", "flat"), ("acco", "tensor")])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, operations=sequences)
+def test_random_calls_on_one_rank(config, operations):
+    run_sequence(*config, operations)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(config=configs, operations=sequences)
+def test_random_calls_on_two_ranks(ranks, config, operations):
+    first, second = ranks(2).run(run_sequence, *config, operations, timeout=60)
+    assert first["outcomes"] == second["outcomes"]
+    for name, value in first["params"].items():
+        assert torch.equal(value, second["params"][name])
