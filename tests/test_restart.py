@@ -42,12 +42,23 @@ def worker_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
+def kill_leftovers(marker: str) -> None:
+    """Workers of a hung attempt may sit in their own sessions: find them by their arguments."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            continue
+
+
 def finish(process: subprocess.Popen, tmp: Path, name: str) -> str:
     try:
         process.wait(timeout=240)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+        kill_leftovers(str(tmp / name))
     log = (tmp / name / "log.txt").read_text()
     assert process.returncode == 0, log[-3000:]
     return log
