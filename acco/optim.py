@@ -309,21 +309,24 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- compute lane
 
-    def accumulate(self, weight: float = 1.0) -> None:
+    def accumulate(self, weight: float | Tensor = 1.0) -> None:
         """Fold the gradients now in ``p.grad`` into this round's accumulator.
 
         ``p.grad`` is consumed (set to None), so the next backward starts from zero.
         Parameters whose ``grad`` is None contribute zero.
 
         Args:
-            weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over.
-                The update divides the weighted sum by the total weight over all ranks.
+            weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over
+                (a number or a one-element tensor). The update divides the weighted sum
+                by the total weight over all ranks.
 
         Raises:
             ValueError: ``weight`` is negative, NaN or infinite.
             RuntimeError: no parameter has a gradient, or the optimizer is finished.
         """
         self._check_usable("accumulate")
+        if isinstance(weight, Tensor) and weight.numel() == 1:
+            weight = weight.item()  # e.g. a token count computed on the device
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
             raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
         self._check_params_unchanged()
