@@ -1,0 +1,182 @@
+"""Run N ranks on this machine behind a rate-limited network.
+
+A fresh network namespace whose loopback carries a token-bucket filter (``tc qdisc ... tbf``)
+stands in for a slow cluster network: every rank runs inside it and talks to the others on
+127.0.0.1, so every byte of every collective crosses the limited link. The namespace is
+always removed afterwards (also on Ctrl-C, SIGTERM or a failing command).
+
+    sudo python benchmarks/netns.py --nproc 2 --rate 200mbit -- benchmarks/throughput.py --worker ...
+    sudo python benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
+
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). netem is not
+needed; tbf is in every kernel. Notes on what the link is:
+
+- all ranks share one loopback device, so the rate limits the *sum* of every rank's
+  traffic (a shared link, as for ranks behind one switch port), not each rank's own link;
+- ``burst`` must be at least one loopback packet (64 KiB with GSO) or nothing passes;
+  256kb (tc's ``kb`` is kilobytes) is the default;
+- over the limit, packets queue up to ``latency`` and are then dropped, and TCP backs off:
+  the goodput is somewhat below the rate, which is why the benchmarks calibrate the rate
+  by measuring, not by dividing bytes by the rate.
+
+The benchmarks themselves do not need this launcher: they run unchanged under plain
+``torchrun`` on a real cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+__all__ = ["NetnsError", "check_requirements", "namespace", "run_ranks", "torchrun_command"]
+
+DEFAULT_BURST = "256kb"
+DEFAULT_LATENCY = "50ms"
+MASTER_PORT = 29500  # a fresh namespace has every port free
+
+
+class NetnsError(RuntimeError):
+    """The namespace cannot be made here (not root, no iproute2, no permission)."""
+
+
+def check_requirements() -> None:
+    """Raise NetnsError with what is missing, before anything is created."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise NetnsError(
+            f"{' and '.join(missing)} not found: the rate-limited network needs iproute2 "
+            "(Debian/Ubuntu: apt-get install iproute2). Without it, run the benchmark under plain torchrun "
+            "(no rate limit)."
+        )
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        raise NetnsError(
+            "the rate-limited network needs root (network namespaces and tc): run with sudo, e.g. "
+            f"`sudo {sys.executable} {' '.join(sys.argv)}`, or run the benchmark under plain torchrun (no rate limit)."
+        )
+
+
+def _run(command: Sequence[str]) -> None:
+    result = subprocess.run(list(command), capture_output=True, text=True)
+    if result.returncode:
+        raise NetnsError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()}")
+
+
+@contextmanager
+def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAULT_LATENCY) -> Iterator[str]:
+    """A network namespace with loopback up and, if ``rate`` is given, a tbf on it.
+
+    Yields the namespace's name; deletes it on exit, whatever happens.
+
+    Args:
+        rate: a tc rate (``"200mbit"``, ``"25mbps"``...), or None for no limit.
+        burst: the token bucket's size (at least one 64 KiB loopback packet).
+        latency: how long a packet may wait in the queue before it is dropped.
+
+    Raises:
+        NetnsError: not root, iproute2 missing, or a command failed (the message says which).
+    """
+    check_requirements()
+    name = f"acco-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    _run(["ip", "netns", "add", name])
+    try:
+        _run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
+        if rate is not None:
+            _run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                  "rate", rate, "burst", burst, "latency", latency])
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def torchrun_command(nproc: int, script_and_args: Sequence[str], port: int = MASTER_PORT) -> list[str]:
+    """``torchrun`` for ``nproc`` ranks on one node, all on 127.0.0.1 (the namespace's loopback)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(port),
+        *script_and_args,
+    ]
+
+
+def run_ranks(
+    nproc: int,
+    script_and_args: Sequence[str],
+    rate: str | None = None,
+    *,
+    burst: str = DEFAULT_BURST,
+    latency: str = DEFAULT_LATENCY,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace.
+
+    Returns torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the namespace's name)
+    and ``ACCO_BENCH_RATE`` in their environment; gloo is pinned to the loopback device.
+    """
+    with namespace(rate, burst, latency) as name:
+        child_env = {
+            **os.environ,
+            **(env or {}),
+            "ACCO_BENCH_NETNS": name,
+            "ACCO_BENCH_RATE": rate or "unlimited",
+            "GLOO_SOCKET_IFNAME": "lo",  # the host name does not resolve to an address in the namespace
+        }
+        command = ["ip", "netns", "exec", name, *torchrun_command(nproc, script_and_args)]
+        process = subprocess.Popen(command, env=child_env, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except BaseException:
+            _stop(process)
+            raise
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End the launched torchrun and its ranks (its own session) so the namespace can go."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _raise_on_sigterm() -> None:
+    # SIGTERM becomes an exception, so the `finally` that deletes the namespace runs.
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
+    parser.add_argument("--rate", default=None, help="tc rate of the loopback, e.g. 200mbit (default: no limit)")
+    parser.add_argument("--burst", default=DEFAULT_BURST)
+    parser.add_argument("--latency", default=DEFAULT_LATENCY)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] run by torchrun")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the script to run after --")
+    _raise_on_sigterm()
+    try:
+        return run_ranks(args.nproc, command, args.rate, burst=args.burst, latency=args.latency)
+    except NetnsError as error:
+        print(f"netns.py: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
