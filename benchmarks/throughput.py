@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to sweep (driver)")
     add("--rates", nargs="+", default=list(RATE_LABELS), choices=RATE_LABELS, help="rates to sweep (driver)")
     add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    add("--micro-batches", type=int, default=2, help="micro-batches per rank per optimizer update (even)")
+    add("--micro-batches", type=int, default=4, help="micro-batches per rank per optimizer update (even)")
     add("--warmup-updates", type=int, default=1)
     add("--updates", type=int, default=3, help="updates in the timed window")
     add("--repeats", type=int, default=3)
@@ -86,11 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch-size", type=int, default=8)
     add("--out", default=None, help="JSON output (default: benchmarks/results/throughput.json)")
     add("--no-report", action="store_true", help="do not regenerate the README tables and plots (driver)")
+    add("--quick", action="store_true", help="2 ranks, 1 repeat, 2 timed updates: a smoke run of a few minutes")
     # Set by the driver for its rank launches.
     add("--calibrate", action="store_true", help=argparse.SUPPRESS)
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
     add("--label", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.repeats, args.updates = [2], 1, 2
     if args.micro_batches < 2 or args.micro_batches % 2:
         parser.error("--micro-batches must be even (acco splits an update into two rounds)")
     return args
@@ -339,6 +342,8 @@ def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
           f"{base['lo_bytes_per_round']:.3g} loopback bytes per round", flush=True)
     result: dict[str, Any] = {"unlimited": base, "targets": {}}
     for label, ratio in RATE_RATIOS.items():
+        if label not in args.rates:
+            continue
         target = ratio * compute
         rate = base["lo_bytes_per_round"] * 8 / max(target - fixed, 1e-3)
         tries = []

@@ -1,0 +1,429 @@
+"""Tables and plots from the benchmarks' JSON, into benchmarks/README.md and results/*.png.
+
+    python benchmarks/report.py
+
+Reads ``results/{throughput,convergence,memory,profile-2ranks}.json`` (whichever exist),
+writes ``results/*.png`` and replaces the blocks between ``<!-- BEGIN GENERATED: name -->``
+and ``<!-- END GENERATED: name -->`` in the README. Nothing in those blocks is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
+
+ORDER = ("roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww")
+LABELS = {
+    "roofline": "compute only (roofline)",
+    "ddp-zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer)",
+    "ddp-adamw": "DDP + AdamW",
+    "acco-sync": "acco `sync`",
+    "acco-dpu": "acco `dpu`",
+    "acco": "acco `acco`",
+    "acco-aww": "acco `acco`, accumulate while communicating",
+}
+RATE_ORDER = ("unlimited", "comm~compute", "comm~3x")
+MiB = 2**20
+
+
+def load(name: str) -> Any | None:
+    path = RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def rate_text(rate: str) -> str:
+    if rate.endswith("bit") and rate[:-3].isdigit():
+        return f"{int(rate[:-3]) / 1e6:.0f} Mbit/s"
+    return rate
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+def throughput_runs(data: dict) -> dict[int, dict[str, dict]]:
+    runs: dict[int, dict[str, dict]] = {}
+    for run in data["runs"]:
+        runs.setdefault(run["ranks"], {})[run["label"]] = run
+    return runs
+
+
+def throughput_section(data: dict) -> str:
+    cfg = data["config"]
+    out = [
+        f"GPT of {cfg['parameters'] / 1e6:.2f}M parameters ({cfg['n_layer']} layers, width {cfg['n_embd']}, "
+        f"seq {cfg['seq_len']}, micro-batch {cfg['batch_size']}), {cfg['micro_batches_per_update']} micro-batches "
+        f"per rank per update, {cfg['timed_updates']} timed updates after {cfg['warmup_updates']} of warm-up, "
+        f"median of {cfg['repeats']} repeats; one torch thread per rank on {data['machine']['cpus']} cores "
+        f"(torch {data['machine']['torch']}). Each cell: samples/s, then the ratio to DDP + ZeRO-1 and to the "
+        f"roofline measured side by side in the same repeat (medians).",
+        "",
+    ]
+    for ranks, by_label in sorted(throughput_runs(data).items()):
+        labels = [label for label in RATE_ORDER if label in by_label]
+        header = ["method"] + [f"{label} ({rate_text(by_label[label]['rate'])})" for label in labels]
+        rows = []
+        for name in ORDER:
+            if not any(name in by_label[label]["methods"] for label in labels):
+                continue
+            row = [LABELS[name]]
+            for label in labels:
+                m = by_label[label]["methods"].get(name)
+                if m is None:
+                    row.append("")
+                    continue
+                row.append(f"{m['median_samples_per_s']:.1f} (x{m.get('median_vs_zero1', math.nan):.2f} ZeRO-1, "
+                           f"x{m.get('median_vs_roofline', math.nan):.2f} roofline)")
+            rows.append(row)
+        note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > (data["machine"]["cpus"] or 1) else ""
+        out += [f"**{ranks} ranks{note}**", "", table(header, rows), ""]
+    return "\n".join(out)
+
+
+def calibration_section(data: dict) -> str:
+    rows = []
+    for ranks, cal in sorted(data["calibration"].items(), key=lambda kv: int(kv[0])):
+        if not cal:
+            continue
+        base = cal["unlimited"]
+        for label, target in cal["targets"].items():
+            rows.append([
+                ranks,
+                label,
+                f"{base['compute_s_per_round'] * 1000:.0f} ms",
+                f"{base['lo_bytes_per_round'] / 1e6:.1f} MB",
+                f"{base['comm_s_per_round'] * 1000:.0f} ms",
+                f"{target['rate']} ({rate_text(target['rate'])})",
+                f"{target['comm_s_per_round'] * 1000:.0f} ms",
+                f"{target['ratio']:.2f}",
+            ])
+    header = ["ranks", "target", "compute per acco round", "loopback bytes per round", "comm per round, unlimited",
+              "tbf rate", "comm per round at that rate", "comm / compute"]
+    return table(header, rows)
+
+
+def lane_section(data: dict) -> str:
+    """What the lanes did in the timed windows (rank 0, medians over repeats)."""
+    rows = []
+    for ranks, by_label in sorted(throughput_runs(data).items()):
+        for label in RATE_ORDER:
+            run = by_label.get(label)
+            if run is None:
+                continue
+            roof = run["methods"].get("roofline")
+            for name in ("ddp-zero1", "acco-sync", "acco-dpu", "acco", "acco-aww"):
+                m = run["methods"].get(name)
+                if m is None:
+                    continue
+                lane = m.get("lane", {})
+                phases = lane.get("phase_s", {})
+                rows.append([
+                    str(ranks), label, LABELS[name],
+                    f"{m['compute_s_per_micro_batch'] * 1000:.0f}"
+                    + (f" ({roof['compute_s_per_micro_batch'] * 1000:.0f})" if roof else ""),
+                    f"{m['micro_batches_per_update']:.1f}",
+                    f"{m['boundary_s_per_round'] * 1000:.0f}",
+                    f"{lane['lane_s'] * 1000:.0f}" if lane else "",
+                    " / ".join(f"{phases.get(p, 0) * 1000:.0f}" for p in ("weights", "reduce-scatter", "update",
+                                                                         "all-gather")) if phases else "",
+                    f"{lane['hidden_share']:.0%}" if lane else "",
+                    f"{m['lo_bytes_per_update'] / 1e6:.1f}" if m.get("lo_bytes_per_update") else "",
+                    f"{max(m['foreign_cpu_share']):.0%}",
+                ])
+    header = ["ranks", "rate", "method", "compute ms per micro-batch (roofline)", "micro-batches per update",
+              "step() ms per round", "lane ms per round", "weights / reduce-scatter / update / all-gather ms",
+              "comm hidden", "loopback MB per update", "other load (max)"]
+    return table(header, rows)
+
+
+def plot_throughput(data: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = throughput_runs(data)
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
+    for ax, (ranks, by_label) in zip(axes[0], sorted(runs.items())):
+        labels = [label for label in RATE_ORDER if label in by_label]
+        names = [n for n in ORDER if any(n in by_label[label]["methods"] for label in labels)]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            values = [by_label[label]["methods"].get(name, {}).get("median_vs_roofline", 0) for label in labels]
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
+            ax.bar(xs, values, width, label=LABELS[name].replace("`", ""))
+        ax.axhline(0.95, color="k", lw=0.8, ls="--")
+        ax.axhline(0.9, color="k", lw=0.8, ls=":")
+        ax.set_xticks(range(len(labels)), [f"{label}\n{rate_text(by_label[label]['rate'])}" for label in labels])
+        ax.set_ylabel("samples/s / roofline")
+        ax.set_ylim(0, 1.1)
+        ax.set_title(f"{ranks} ranks" + (" (oversubscribed)" if ranks > data["machine"]["cpus"] else ""))
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    path = RESULTS_DIR / "throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+# ---------------------------------------------------------------------------- convergence
+
+
+CONVERGENCE_LABELS = {"acco-sync": "acco `sync` (ZeRO-1 in acco)", "acco": "acco `acco`", "acco-dpu": "acco `dpu`",
+                      "ddp-zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer)"}
+
+
+def convergence_section(data: dict) -> str:
+    cfg = data["config"]
+    rows = []
+    for name, run in data["methods"].items():
+        diff = run.get("update_difference")
+        rows.append([
+            CONVERGENCE_LABELS.get(name, name),
+            f"{run['final_eval_loss']:.4f}",
+            f"{run.get('gap_vs_sync', math.nan):+.2%}",
+            f"{diff['mean']:.3f} ({len(diff['ratios'])} updates)" if diff and diff["mean"] is not None else "",
+            f"{statistics.fmean(run['train_loss_per_update'][-20:]):.4f}",
+            minutes(run["runtime_s"]),
+        ])
+    intro = (f"{cfg['ranks']} ranks, GPT of {data['methods'][next(iter(data['methods']))]['parameters'] / 1e6:.2f}M "
+             f"parameters ({cfg['n_layer']} layers, width {cfg['n_embd']}, seq {cfg['seq_len']}, micro-batch "
+             f"{cfg['batch_size']}), {cfg['updates']} updates x {cfg['micro_batches_per_update']} micro-batches per "
+             f"rank = {cfg['samples']:,} samples for every method; lr {cfg['lr']}, clipping {cfg['max_grad_norm']}; "
+             f"eval on {cfg['eval_batches']} fixed held-out batches.")
+    header = ["method", "final eval loss", "vs sync", "update difference (mean)", "train loss, last 20 updates",
+              "runtime"]
+    return intro + "\n\n" + table(header, rows)
+
+
+def plot_convergence(data: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = data["config"]
+    per_update = cfg["micro_batches_per_update"] * cfg["ranks"] * cfg["batch_size"]
+    fig, (train_ax, eval_ax, diff_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
+    for name, run in data["methods"].items():
+        label = CONVERGENCE_LABELS.get(name, name).replace("`", "")
+        losses = run["train_loss_per_update"]
+        window = 10
+        smooth = [statistics.fmean(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))]
+        style = "--" if name == "ddp-zero1" else "-"
+        train_ax.plot([(i + 1) * per_update for i in range(len(losses))], smooth, style, label=label)
+        eval_ax.plot([e["samples"] for e in run["eval"]], [e["loss"] for e in run["eval"]], style, marker=".",
+                     label=label)
+        diff = run.get("update_difference")
+        if diff and diff["ratios"]:
+            diff_ax.plot(diff["updates"], diff["ratios"], marker=".", label=label)
+    train_ax.set(xlabel="samples", ylabel="train loss (10-update mean)", title="training loss")
+    eval_ax.set(xlabel="samples", ylabel="held-out loss", title="eval loss")
+    diff_ax.set(xlabel="update", ylabel="||u - u_sync|| / (||u|| + ||u_sync||)",
+                title="update vs the sync update from the same state")
+    for ax in (train_ax, eval_ax):
+        ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
+    for ax in (train_ax, eval_ax, diff_ax):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS_DIR / "convergence.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+# --------------------------------------------------------------------------------- memory
+
+MEMORY_LABELS = {"ddp-adamw": "DDP + AdamW", "ddp-zero1": "DDP + ZeRO-1", "acco-sync": "acco `sync`",
+                 "acco-dpu": "acco `dpu`", "acco": "acco `acco`"}
+
+
+def memory_section(data: dict) -> str:
+    out = []
+    header = ["method", "parameters", "gradients (p.grad)", "gradient buffers", "communication buffers",
+              "master shard", "optimizer state", "other", "total", "transient on the lane", "peak RSS"]
+    by_ranks: dict[int, list] = {}
+    for run in data["runs"]:
+        by_ranks.setdefault(run["ranks"], []).append(run)
+    for ranks, runs in sorted(by_ranks.items()):
+        rows, state_rows = [], []
+        for run in runs:
+            # The largest rank for each figure (shards may differ in size).
+            worst = max(run["per_rank"], key=lambda r: sum(r["bytes"].values()) + sum(r["derived_bytes"].values()))
+            b = dict(worst["bytes"])
+            derived = worst["derived_bytes"]
+            comm = b["communication buffers"] + derived.get("communication buffers", 0)
+            transient = derived.get("estimate copies (transient, on the lane)", 0)
+            total = sum(b.values()) + derived.get("communication buffers", 0)
+            cell = lambda v: f"{v / MiB:.1f}"  # noqa: E731
+            rows.append([
+                MEMORY_LABELS[run["method"]], cell(b["parameters"]), cell(b["gradients"]), cell(b["gradient buffers"]),
+                cell(comm) + (" (DDP buckets)" if derived.get("communication buffers") else ""),
+                cell(b["master shard"]), cell(b["optimizer state"]), cell(b["other"]), cell(total),
+                cell(transient) if transient else "",
+                f"{max(r['peak_rss_bytes'] for r in run['per_rank']) / MiB:.0f}",
+            ])
+            elements = [r["state_elements_per_tensor"] for r in run["per_rank"]]
+            p, ceil = worst["parameters"], worst["ceil_p_over_n"]
+            state_rows.append([
+                MEMORY_LABELS[run["method"]], f"{p:,}", f"{ceil:,}",
+                ", ".join(f"{e:,}" for e in elements),
+                f"{max(elements) - ceil:+,}",
+            ])
+        note = " (oversubscribed)" if ranks > 2 else ""
+        out += [f"**{ranks} ranks{note}**, MiB per rank (the largest rank)", "", table(header, rows), "",
+                "Optimizer state per rank (elements of one AdamW moment, `exp_avg`; `exp_avg_sq` is the same):", "",
+                table(["method", "P", "ceil(P/N)", "per rank", "largest - ceil(P/N)"], state_rows), ""]
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------------------- profile
+
+
+def profile_section(data: dict) -> str:
+    rows = []
+    for profile in data["profiles"]:
+        for name, p in profile["methods"].items():
+            cpu = p["thread_cpu_s_per_round"]
+            phases = p["lane_phases"]
+            rows.append([
+                profile["label"], LABELS.get(name, name),
+                f"{p['round_wall_s'] * 1000:.0f}", f"{p['micro_batches_per_round']:.1f}",
+                f"{p['micro_batch_wall_s'] * 1000:.0f} / {p['micro_batch_cpu_s'] * 1000:.0f}",
+                f"{p['step_wall_s'] * 1000:.0f}",
+                f"{cpu.get('acco comm lane (thread)', 0) * 1000:.0f}",
+                f"{cpu.get('gloo I/O threads', 0) * 1000:.0f}",
+                ", ".join(f"{k} {v['wall_s'] * 1000:.0f}/{v['cpu_s'] * 1000:.0f}" for k, v in phases.items()),
+            ])
+    header = ["rate", "method", "round ms", "micro-batches per round", "micro-batch wall / CPU ms", "step() ms",
+              "comm lane CPU ms", "gloo threads CPU ms", "lane phases wall/CPU ms"]
+    return (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, "
+            "per round:\n\n" + table(header, rows))
+
+
+# ---------------------------------------------------------------------------------- targets
+
+
+def targets_section(throughput: dict | None, convergence: dict | None, memory: dict | None) -> str:
+    rows = []
+
+    def add(target: str, measured: str, met: bool | None) -> None:
+        rows.append([target, measured, "n/a" if met is None else ("met" if met else "**not met**")])
+
+    if throughput:
+        two = throughput_runs(throughput).get(2, {})
+        mid, slow, free = two.get("comm~compute"), two.get("comm~3x"), two.get("unlimited")
+        if mid:
+            acco = mid["methods"]["acco"]
+            add("2 ranks, comm ~ compute: acco >= 0.95 x roofline", f"{acco['median_vs_roofline']:.3f}",
+                acco["median_vs_roofline"] >= 0.95)
+            add("2 ranks, comm ~ compute: acco >= 2 x DDP + ZeRO-1", f"{acco['median_vs_zero1']:.2f}",
+                acco["median_vs_zero1"] >= 2)
+            if "acco-aww" in mid["methods"]:
+                aww = mid["methods"]["acco-aww"]
+                add("(for reference) 2 ranks, comm ~ compute: accumulate-while-communicating vs roofline / ZeRO-1",
+                    f"{aww['median_vs_roofline']:.3f} / {aww['median_vs_zero1']:.2f}", None)
+        if slow and "acco-aww" in slow["methods"]:
+            aww = slow["methods"]["acco-aww"]
+            add("2 ranks, comm ~ 3x compute: accumulate-while-communicating >= 0.9 x roofline",
+                f"{aww['median_vs_roofline']:.3f}", aww["median_vs_roofline"] >= 0.9)
+        if free:
+            acco = free["methods"]["acco"]
+            add("2 ranks, unlimited: acco not slower than DDP + ZeRO-1", f"{acco['median_vs_zero1']:.3f}",
+                acco["median_vs_zero1"] >= 1.0)
+    if convergence:
+        methods = convergence["methods"]
+        if "acco" in methods and "acco-sync" in methods:
+            gap = abs(methods["acco"]["gap_vs_sync"])
+            add("acco's final eval loss within 1% of sync", f"{methods['acco']['gap_vs_sync']:+.2%}", gap <= 0.01)
+            if "acco-dpu" in methods:
+                dpu = abs(methods["acco-dpu"]["gap_vs_sync"])
+                add("dpu's gap larger than acco's", f"{methods['acco-dpu']['gap_vs_sync']:+.2%} vs "
+                    f"{methods['acco']['gap_vs_sync']:+.2%}", dpu > gap)
+            diff = methods["acco"].get("update_difference")
+            if diff and diff["mean"] is not None:
+                dpu_diff = methods.get("acco-dpu", {}).get("update_difference", {}).get("mean")
+                add("(for reference) normalised update difference to sync, acco / dpu (paper: 0.07-0.11 for acco)",
+                    f"{diff['mean']:.3f} / {dpu_diff:.3f}" if dpu_diff is not None else f"{diff['mean']:.3f}", None)
+    if memory:
+        for run in memory["runs"]:
+            if run["method"] != "acco":
+                continue
+            worst = max(r["state_elements_per_tensor"] for r in run["per_rank"])
+            ceil = run["per_rank"][0]["ceil_p_over_n"]
+            add(f"{run['ranks']} ranks: acco's optimizer state per rank = ceil(P/N) + padding",
+                f"{worst:,} elements per moment, ceil(P/N) = {ceil:,} (padding {worst - ceil:+,})",
+                0 <= worst - ceil < 2 * run["ranks"])
+    return table(["target", "measured", ""], rows)
+
+
+def runtimes_section(**datas: Any) -> str:
+    rows = []
+    for name, data in datas.items():
+        if data is None:
+            continue
+        rows.append([name, minutes(data["runtime_s"])])
+        if name == "throughput":
+            for run in data["runs"]:
+                rows.append([f"  {run['ranks']} ranks, {run['label']}", minutes(run["runtime_s"])])
+    return table(["benchmark", "runtime (this machine, 2 cores)"], rows)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {re.escape(name)} -->\n).*?(<!-- END GENERATED: {re.escape(name)} -->)",
+                         re.S)
+    if not pattern.search(text):
+        print(f"report: no block {name!r} in {README.name}; skipped", file=sys.stderr)
+        return text
+    return pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    throughput, convergence, memory, profile = (load("throughput"), load("convergence"), load("memory"),
+                                                load("profile-2ranks"))
+    blocks: dict[str, str] = {}
+    if throughput:
+        blocks["throughput"] = throughput_section(throughput) + f"\n![throughput]({'results/' + plot_throughput(throughput)})"
+        blocks["calibration"] = calibration_section(throughput)
+        blocks["lanes"] = lane_section(throughput)
+    if convergence:
+        blocks["convergence"] = convergence_section(convergence) + f"\n\n![convergence](results/{plot_convergence(convergence)})"
+    if memory:
+        blocks["memory"] = memory_section(memory)
+    if profile:
+        blocks["profile"] = profile_section(profile)
+    blocks["targets"] = targets_section(throughput, convergence, memory)
+    blocks["runtimes"] = runtimes_section(throughput=throughput, convergence=convergence, memory=memory,
+                                          profile=profile)
+    text = README.read_text()
+    for name, body in blocks.items():
+        text = replace_block(text, name, body)
+    README.write_text(text)
+    print(f"report: updated {README} ({', '.join(blocks)})")
+
+
+if __name__ == "__main__":
+    main()
