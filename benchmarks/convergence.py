@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401
 import torch
 import torch.distributed as dist
 from common import (

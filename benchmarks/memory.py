@@ -30,7 +30,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401
 import torch
 import torch.distributed as dist
 from common import RESULTS_DIR, ModelConfig, batches, build_method, launch, read_json, start_ranks, training_text, write_json

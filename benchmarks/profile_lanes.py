@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401
 import torch
 import torch.distributed as dist
 from common import (
@@ -125,6 +124,7 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
     profiler = None
     for r in range(warm_rounds + args.rounds):
         if r == warm_rounds:
+            dist.barrier()  # a global window (see throughput.py)
             phases.clear()
             before, wall0 = thread_cpu(), time.perf_counter()
             if args.trace == name:
@@ -144,8 +144,9 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
             step_wall.append(time.perf_counter() - w)
             step_cpu.append(time.thread_time() - c)
             micro_batches += count
-    wall = time.perf_counter() - wall0
     after = thread_cpu()
+    dist.barrier()
+    wall = time.perf_counter() - wall0
     if profiler is not None:
         profiler.__exit__(None, None, None)
         trace = Path(args.out).with_name(f"trace-{name}-{args.label}.json")
@@ -173,6 +174,50 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
     }
 
 
+def piece_costs(config: ModelConfig, world_size: int) -> dict[str, float]:
+    """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
+    alone (this rank only, the others wait): what each would cost the compute lane when
+    no core is free. Sizes are those of the model's flat buffers and shards."""
+    model = build_method("roofline", config, 2).model
+    numel = sum(p.numel() for p in model.parameters())
+    padded = -(-numel // world_size) * world_size
+    chunk = padded // world_size
+    full = torch.randn(padded)
+    other = torch.randn(padded)
+    shard = torch.randn(chunk)
+    state = [torch.randn(chunk), torch.rand(chunk)]
+    param = torch.randn(chunk)
+    adamw = torch.optim.AdamW([param], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    param.grad = torch.randn(chunk)
+    adamw.step()
+
+    def clone_and_restore() -> None:
+        saved = [t.clone() for t in (shard, *state)]
+        for t, copy in zip((shard, *state), saved):
+            t.copy_(copy)
+
+    def timed(fn: Any) -> float:
+        samples = []
+        for _ in range(12):
+            started = time.thread_time()
+            fn()
+            samples.append(time.thread_time() - started)
+        return statistics.median(samples[2:]) * 1000
+
+    return {
+        "non-finite scan of the full gradient, torch.isfinite(g).all()": timed(lambda: bool(torch.isfinite(full).all())),
+        "the same on this rank's shard only": timed(lambda: bool(torch.isfinite(shard).all())),
+        "one-pass alternative on the full gradient, torch.isfinite(g.sum())": timed(
+            lambda: bool(torch.isfinite(full.sum()))),
+        "AdamW step on the shard": timed(adamw.step),
+        "estimate round: clone master + AdamW state, restore": timed(clone_and_restore),
+        "sum of the all-to-all's chunks (reduce-scatter on gloo)": timed(
+            lambda: torch.sum(other.view(world_size, -1), dim=0, out=shard)),
+        "copy of one full flat buffer (hand-over / load into the model)": timed(lambda: full.copy_(other)),
+        "fold one micro-batch's p.grad into the accumulator": timed(lambda: full.add_(other, alpha=1.0)),
+    }
+
+
 def rank_main(args: argparse.Namespace) -> None:
     ctx = start_ranks()
     config = ModelConfig()
@@ -186,9 +231,12 @@ def rank_main(args: argparse.Namespace) -> None:
         results[name] = profile_method(name, args, config, next_batch)
         if ctx.master:
             print(f"[{args.label}] {name}: {results[name]['round_wall_s']:.3f} s per round", flush=True)
+    costs = piece_costs(config, ctx.world_size) if ctx.master else {}
+    dist.barrier()  # the other ranks wait while rank 0 times the pieces alone
     if ctx.master:
         write_json(Path(args.out), {"ranks": ctx.world_size, "label": args.label,
-                                    "rate": os.environ.get("ACCO_BENCH_RATE", "unlimited"), "methods": results})
+                                    "rate": os.environ.get("ACCO_BENCH_RATE", "unlimited"), "methods": results,
+                                    "piece_costs_ms": costs})
     dist.barrier()
     dist.destroy_process_group()
 

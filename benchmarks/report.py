@@ -316,8 +316,13 @@ def profile_section(data: dict) -> str:
             ])
     header = ["rate", "method", "round ms", "micro-batches per round", "micro-batch wall / CPU ms", "step() ms",
               "comm lane CPU ms", "gloo threads CPU ms", "lane phases wall/CPU ms"]
-    return (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, "
+    text = (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, "
             "per round:\n\n" + table(header, rows))
+    costs = next((p["piece_costs_ms"] for p in data["profiles"] if p.get("piece_costs_ms")), None)
+    if costs:
+        text += ("\n\nCPU cost of the pieces of a round, each timed alone on one thread (rank 0, the model's buffer "
+                 "sizes):\n\n" + table(["piece", "CPU ms"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
+    return text
 
 
 # ---------------------------------------------------------------------------------- targets
@@ -402,8 +407,8 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    throughput, convergence, memory, profile = (load("throughput"), load("convergence"), load("memory"),
-                                                load("profile-2ranks"))
+    throughput, convergence, memory = load("throughput"), load("convergence"), load("memory")
+    profiles = [p for p in (load("profile-2ranks"), load("profile-4ranks")) if p]
     blocks: dict[str, str] = {}
     if throughput:
         blocks["throughput"] = throughput_section(throughput) + f"\n![throughput]({'results/' + plot_throughput(throughput)})"
@@ -413,11 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         blocks["convergence"] = convergence_section(convergence) + f"\n\n![convergence](results/{plot_convergence(convergence)})"
     if memory:
         blocks["memory"] = memory_section(memory)
-    if profile:
-        blocks["profile"] = profile_section(profile)
+    if profiles:
+        blocks["profile"] = "\n\n".join(profile_section(p) for p in profiles)
     blocks["targets"] = targets_section(throughput, convergence, memory)
     blocks["runtimes"] = runtimes_section(throughput=throughput, convergence=convergence, memory=memory,
-                                          profile=profile)
+                                          **{f"profile_lanes ({p['ranks']} ranks)": p for p in profiles})
     text = README.read_text()
     for name, body in blocks.items():
         text = replace_block(text, name, body)

@@ -15,7 +15,8 @@ How it measures. Every method trains the same GPT on the same micro-batches; one
 ``--warmup-updates`` the clock runs from one round boundary to the last one
 ``--updates`` later (steady state: a pipeline's fill and drain happen once per training
 run and are left out); samples/s is every rank's micro-batches in that window times the
-micro-batch size over the slowest rank's window. The methods run one after another in
+micro-batch size over the window, which opens and closes with a barrier at those two round
+boundaries. The methods run one after another in
 one process group, in a rotated order, ``--repeats`` times; the tables give medians and
 ratios taken within a repeat (side by side). The accumulate-while-communicating loop
 (``acco-aww``) keeps computing micro-batches while the round in flight has not landed, so
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
     add("--label", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warmup_updates < 1 or args.updates < 1:
+        parser.error("--warmup-updates and --updates must be at least 1")
     if args.quick:
         args.ranks, args.repeats, args.updates = [2], 1, 2
     if args.micro_batches < 2 or args.micro_batches % 2:
@@ -140,9 +143,12 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, next_ba
             compute_s += computed_at - started
             boundary_s += ended - computed_at
         if round_number == start_round:
-            t0, bytes0 = ended, lo_tx_bytes()
-            foreign.start()
             landed_before = len(stats_of(method))
+            # The window is global: it opens when every rank has reached this boundary (ranks
+            # that share cores would otherwise each time a stretch where the others idle).
+            dist.barrier()
+            t0, bytes0 = time.perf_counter(), lo_tx_bytes()
+            foreign.start()
 
     if aww:
         # The documented loop: it ends on the same round on every rank.
@@ -155,9 +161,10 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, next_ba
         round_number = total_updates * per_update
         for r in range(1, round_number + 1):
             one_round(r)
+    landed = stats_of(method)[landed_before:]  # the rounds that landed inside the window
+    dist.barrier()
     t1 = time.perf_counter()
     bytes1 = lo_tx_bytes()
-    landed = stats_of(method)[landed_before:]  # the rounds that landed inside the window
     foreign_share = foreign.stop()
     method.finish()
     window = t1 - t0
@@ -178,8 +185,6 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, next_ba
     }
     if landed:
         result["lane"] = lane_telemetry(landed)
-    del method
-    gc.collect()
     return result
 
 
@@ -263,6 +268,7 @@ def rank_main(args: argparse.Namespace) -> None:
             for name in args.methods[shift:] + args.methods[:shift]:
                 started = time.perf_counter()
                 per_repeat[name].append(run_method(name, args, config, next_batch))
+                gc.collect()  # the method's model, optimizer and buffers go before the next one
                 if ctx.master:
                     r = per_repeat[name][-1]
                     print(f"[{args.label}] repeat {repeat} {name:10s} {r['samples_per_s']:7.2f} samples/s "
