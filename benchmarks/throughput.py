@@ -3,7 +3,8 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
 
 The whole sweep (calibration, every rate, 2 and 4 ranks; needs root for the namespace):
 
-    sudo python benchmarks/throughput.py
+    sudo $(which python) benchmarks/throughput.py            # about 40 min on 2 cores
+    sudo $(which python) benchmarks/throughput.py --quick    # 2 ranks, 1 repeat: a few minutes
 
 One configuration on a real cluster (no namespace, the network you have), every method
 side by side, results on rank 0:
@@ -16,9 +17,10 @@ How it measures. Every method trains the same GPT on the same micro-batches; one
 ``--updates`` later (steady state: a pipeline's fill and drain happen once per training
 run and are left out); samples/s is every rank's micro-batches in that window times the
 micro-batch size over the window, which opens and closes with a barrier at those two round
-boundaries. The methods run one after another in
-one process group, in a rotated order, ``--repeats`` times; the tables give medians and
-ratios taken within a repeat (side by side). The accumulate-while-communicating loop
+boundaries. The methods run one after another in one process group, in a rotated order,
+``--repeats`` times; the tables give medians and ratios taken within a repeat (side by
+side). Before each method the ranks wait until other processes leave the CPU idle, and
+the JSON records the CPU share other processes took during each window. The accumulate-while-communicating loop
 (``acco-aww``) keeps computing micro-batches while the round in flight has not landed, so
 its micro-batches per update are not fixed: that is the point of it.
 
