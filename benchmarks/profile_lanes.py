@@ -5,10 +5,13 @@
     sudo python benchmarks/profile_lanes.py --trace acco             # + a torch.profiler trace
 
 For every method it runs a few rounds and reads, on rank 0, the CPU time of every thread
-of the rank (``/proc/self/task``): the compute lane (the main thread), acco's comm lane (a
+of the rank and the time it spent runnable but waiting for a core
+(``/proc/self/task/*/schedstat``): the compute lane (the main thread), acco's comm lane (a
 Python worker thread), gloo's I/O threads. Next to the wall time of a round this shows the
 one thing that decides whether communication can hide behind compute on a CPU: whether
-there is a core free for it. When the ranks' compute threads already fill every core, each
+there is a core free for it. Wall time of the compute lane = its CPU time + its run-queue
+wait (a core was busy with another thread) + the time it was blocked (the GIL, a lock, a
+collective). When the ranks' compute threads already fill every core, each
 CPU-second that the comm lane (or the kernel's loopback TCP, accounted to the sending and
 receiving threads) spends is a second the compute lane waits for its core: the compute
 lane's wall time per micro-batch rises above its CPU time.
@@ -58,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--ranks", type=int, default=2)
     add("--rate", nargs="*", default=None,
-        help="tc rates to profile at (default: unlimited and the calibrated rates in results/throughput.json)")
+        help="tc rates (or 'unlimited') to profile at (default: unlimited and the calibrated rates in "
+        "results/throughput.json)")
     add("--methods", nargs="+", default=DEFAULT_METHODS, choices=METHODS)
     add("--micro-batches", type=int, default=2)
     add("--rounds", type=int, default=8, help="rounds measured per method (after 2 updates of warm-up)")
@@ -68,19 +72,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of every thread of this process, by native thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+    """Per thread of this process, by native thread id: its name, CPU seconds, and seconds
+    spent runnable but waiting for a core (the scheduler's run-queue delay)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                on_cpu_ns, waiting_ns, _ = (int(v) for v in f.read().split())
+        except (OSError, ValueError):
             continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        out[int(tid)] = (name, on_cpu_ns / 1e9, waiting_ns / 1e9)
     return out
 
 
@@ -154,10 +158,12 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
     lane_tids = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
     method.finish()
     cpu: dict[str, float] = {}
-    for tid, (thread_name, seconds) in after.items():
-        spent = seconds - before.get(tid, (thread_name, 0.0))[1]
+    runqueue: dict[str, float] = {}
+    for tid, (thread_name, seconds, waited) in after.items():
+        _, seconds0, waited0 = before.get(tid, (thread_name, 0.0, 0.0))
         key = classify(tid, thread_name, main_tid, lane_tids)
-        cpu[key] = cpu.get(key, 0.0) + spent / args.rounds
+        cpu[key] = cpu.get(key, 0.0) + (seconds - seconds0) / args.rounds
+        runqueue[key] = runqueue.get(key, 0.0) + (waited - waited0) / args.rounds
     (slowest,) = all_reduce_max([wall])
     return {
         "round_wall_s": slowest / args.rounds,
@@ -167,6 +173,7 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
         "step_wall_s": statistics.fmean(step_wall),
         "step_cpu_s": statistics.fmean(step_cpu),
         "thread_cpu_s_per_round": cpu,
+        "thread_runqueue_wait_s_per_round": runqueue,
         "lane_phases": {
             p: {"wall_s": statistics.fmean(v[0] for v in vals), "cpu_s": statistics.fmean(v[1] for v in vals)}
             for p, vals in phases.items()
@@ -250,7 +257,7 @@ def driver(args: argparse.Namespace) -> None:
             targets = read_json(calibrated)["calibration"].get(str(args.ranks), {}).get("targets", {})
             rates += [(label, t["rate"]) for label, t in targets.items()]
     else:
-        rates = [(r, r) for r in args.rate]
+        rates = [(r, None if r == "unlimited" else r) for r in args.rate]
     out = Path(args.out) if args.out else RESULTS_DIR / f"profile-{args.ranks}ranks.json"
     started = time.perf_counter()
     profiles = []

@@ -309,12 +309,15 @@ def profile_section(data: dict) -> str:
                 profile["label"], LABELS.get(name, name),
                 f"{p['round_wall_s'] * 1000:.0f}", f"{p['micro_batches_per_round']:.1f}",
                 f"{p['micro_batch_wall_s'] * 1000:.0f} / {p['micro_batch_cpu_s'] * 1000:.0f}",
+                (f"{p['thread_runqueue_wait_s_per_round'].get('compute lane (main thread)', 0) * 1000:.0f}"
+                 if "thread_runqueue_wait_s_per_round" in p else ""),
                 f"{p['step_wall_s'] * 1000:.0f}",
                 f"{cpu.get('acco comm lane (thread)', 0) * 1000:.0f}",
                 f"{cpu.get('gloo I/O threads', 0) * 1000:.0f}",
                 ", ".join(f"{k} {v['wall_s'] * 1000:.0f}/{v['cpu_s'] * 1000:.0f}" for k, v in phases.items()),
             ])
-    header = ["rate", "method", "round ms", "micro-batches per round", "micro-batch wall / CPU ms", "step() ms",
+    header = ["rate", "method", "round ms", "micro-batches per round", "micro-batch wall / CPU ms",
+              "compute lane waiting for a core, ms", "step() ms",
               "comm lane CPU ms", "gloo threads CPU ms", "lane phases wall/CPU ms"]
     text = (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, "
             "per round:\n\n" + table(header, rows))
