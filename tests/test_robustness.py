@@ -131,6 +131,20 @@ def test_nan_gradients_with_skip_keep_parameters_unchanged_on_every_rank(ranks, 
         assert results[0]["updates"] == 2
 
 
+def test_huge_finite_gradients_are_not_taken_for_non_finite():
+    param = torch.nn.Parameter(torch.zeros(8))
+    opt = AccoOptimizer([param], torch.optim.SGD, mode="sync", lr=0.0)
+    param.grad = torch.full((8,), 3e38)  # finite, but their float32 sum overflows
+    opt.accumulate()
+    assert opt.step() and opt.skipped_updates == 0
+    param.grad = torch.zeros(8)
+    param.grad[1], param.grad[2] = float("inf"), -float("inf")  # the sum is NaN
+    opt.accumulate()
+    with pytest.raises(CommLaneError, match="non-finite gradients on 1 rank"):
+        opt.step()
+    opt.close()
+
+
 def test_the_lane_thread_never_outlives_the_optimizer():
     before = len(lane_threads())
 
