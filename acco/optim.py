@@ -294,7 +294,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         # Round state: what the next handover launches, and the round in flight.
         self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
         self._in_flight: _Round | None = None
-        self._update_hyperparams: list[dict[str, Any]] = []
         self._rounds_launched = 0
         self._pending_weight = 0.0
         self._pending_micro_batches = 0
@@ -453,11 +452,10 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _launch(self, kind: RoundKind) -> None:
         keep_accumulating = kind is RoundKind.ESTIMATE
         grads = [group.hand_over(keep_accumulating) for group in self._groups]
-        if self.mode is Mode.ACCO and kind is RoundKind.COMMIT:
-            # The commit applies the same hyper-parameters as the estimate it completes.
-            hyperparams = self._update_hyperparams
-        else:
-            hyperparams = self._update_hyperparams = [_hyperparams(g) for g in self.param_groups]
+        # The hyper-parameters in param_groups now: a commit round is handed over after the
+        # scheduler has stepped for the previous update, so committed updates follow the
+        # schedule exactly as in sync mode.
+        hyperparams = [_hyperparams(g) for g in self.param_groups]
         stats = RoundStats(self._rounds_launched, kind, self._round_micro_batches, self._round_weight)
         round_ = _Round(
             kind=kind,
@@ -643,7 +641,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                       "num_updates", "skipped_updates", "committed_weight",
                       "round": {"rounds_launched", "next_kind", "in_flight_kind" (or None),
                                 "pending_weight", "pending_micro_batches",
-                                "round_weight", "round_micro_batches", "update_hyperparams"},
+                                "round_weight", "round_micro_batches"},
                       "groups": [{"layout", "optimizer_class", "shapes", "chunk", "param_dtype",
                                   "reduce_dtype",
                                   "master": fp32 shard, "base_state": {local index: {...}},
@@ -704,7 +702,6 @@ class AccoOptimizer(torch.optim.Optimizer):
                     "pending_micro_batches": self._pending_micro_batches,
                     "round_weight": self._round_weight,
                     "round_micro_batches": self._round_micro_batches,
-                    "update_hyperparams": [dict(h) for h in self._update_hyperparams],
                 },
                 "groups": groups,
             },
@@ -741,7 +738,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._pending_micro_batches = int(round_state["pending_micro_batches"])
         self._round_weight = float(round_state["round_weight"])
         self._round_micro_batches = int(round_state["round_micro_batches"])
-        self._update_hyperparams = [dict(h) for h in round_state["update_hyperparams"]]
         if round_state["in_flight_kind"] is not None:
             for sharded, values in zip(self._groups, saved["groups"]):
                 sharded.gather_input.copy_(values["in_flight_result"])

@@ -45,7 +45,8 @@ def params_of(model: nn.Module) -> Params:
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 # Called with (update number, full optimizer) before update t is computed: sets its lr.
-UpdateHook = Callable[[int, torch.optim.Optimizer], None]
+# Called before update t's estimate ("estimate") and before it is applied ("commit").
+UpdateHook = Callable[[int, torch.optim.Optimizer, str], None]
 
 
 def _factory(optimizer: str | OptimizerFactory) -> OptimizerFactory:
@@ -111,9 +112,9 @@ def _add(a: Params, b: Params) -> Params:
     return {k: a[k] + b[k] for k in a}
 
 
-def _hook(on_update: UpdateHook | None, t: int, ref: Reference) -> None:
+def _hook(on_update: UpdateHook | None, t: int, ref: Reference, kind: str = "commit") -> None:
     if on_update is not None:
-        on_update(t, ref.optimizer)
+        on_update(t, ref.optimizer, kind)
 
 
 def sync_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequence[RoundData],
@@ -152,9 +153,10 @@ def acco_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequ
     estimate = ref.params()
     for t in range(len(rounds) // 2):
         grad_estimate, weight_estimate = ref.weighted_grad_sum(estimate, rounds[2 * t])
-        _hook(on_update, t, ref)
+        _hook(on_update, t, ref, "estimate")
         next_estimate = ref.estimate(_scale(grad_estimate, weight_estimate))
         grad, weight = ref.weighted_grad_sum(ref.params(), rounds[2 * t + 1])
+        _hook(on_update, t, ref, "commit")
         ref.apply(_scale(_add(grad_estimate, grad), weight_estimate + weight))
         estimate = next_estimate
     return ref.params()

@@ -210,8 +210,10 @@ def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
     results = ranks(2).run(train_rank, "acco", "acco", rounds)
     data = [[(*micro_batch(r, rank, i), 1.0) for rank in range(2) for i in range(2)] for r in range(rounds)]
 
-    # The rule: update t applies the lr the scheduler had when its estimate round started,
-    # i.e. after max(t - 1, 0) scheduler steps; its estimate and commit use the same lr.
+    # The rule: an update's commit applies the lr the scheduler has when the commit round
+    # is handed over, after t scheduler steps for update t (0-based), as in sync mode; its
+    # estimate started inside the step() that committed update t - 1, before that
+    # scheduler step, so it uses the lr after max(t - 1, 0) steps.
     probe = torch.optim.AdamW(two_groups(make_model()), lr=1e-2)
     probe_scheduler = scheduler_for("warmup_cosine", probe)
     lrs = [[g["lr"] for g in probe.param_groups]]
@@ -219,9 +221,10 @@ def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
         probe.step()
         probe_scheduler.step()
         lrs.append([g["lr"] for g in probe.param_groups])
+    assert lrs[1] != lrs[2], "the schedule must change between updates for this test to mean anything"
 
-    def set_lr(t: int, optimizer: torch.optim.Optimizer) -> None:
-        for group, lr in zip(optimizer.param_groups, lrs[max(t - 1, 0)]):
+    def set_lr(t: int, optimizer: torch.optim.Optimizer, kind: str) -> None:
+        for group, lr in zip(optimizer.param_groups, lrs[t if kind == "commit" else max(t - 1, 0)]):
             group["lr"] = lr
 
     expected = RECURRENCES["acco"](
