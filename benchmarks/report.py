@@ -2,7 +2,8 @@
 
     python benchmarks/report.py
 
-Reads ``results/{throughput,convergence,memory,profile-2ranks}.json`` (whichever exist),
+Reads ``results/{throughput,throughput-*,convergence,memory,profile-2ranks,profile-4ranks}.json``
+(whichever exist),
 writes ``results/*.png`` and replaces the blocks between ``<!-- BEGIN GENERATED: name -->``
 and ``<!-- END GENERATED: name -->`` in the README. Nothing in those blocks is typed by hand.
 """
@@ -155,7 +156,7 @@ def lane_section(data: dict) -> str:
     return table(header, rows)
 
 
-def plot_throughput(data: dict) -> str:
+def plot_throughput(data: dict, name: str = "throughput") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +180,7 @@ def plot_throughput(data: dict) -> str:
         ax.set_title(f"{ranks} ranks" + (" (oversubscribed)" if ranks > data["machine"]["cpus"] else ""))
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    path = RESULTS_DIR / "throughput.png"
+    path = RESULTS_DIR / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
@@ -331,32 +332,33 @@ def profile_section(data: dict) -> str:
 # ---------------------------------------------------------------------------------- targets
 
 
-def targets_section(throughput: dict | None, convergence: dict | None, memory: dict | None) -> str:
+def targets_section(throughputs: list[dict], convergence: dict | None, memory: dict | None) -> str:
     rows = []
 
     def add(target: str, measured: str, met: bool | None) -> None:
         rows.append([target, measured, "n/a" if met is None else ("met" if met else "**not met**")])
 
-    if throughput:
-        two = throughput_runs(throughput).get(2, {})
+    for sweep in throughputs:
+        k = f"{sweep['config']['micro_batches_per_update']} micro-batches per update"
+        two = throughput_runs(sweep).get(2, {})
         mid, slow, free = two.get("comm~compute"), two.get("comm~3x"), two.get("unlimited")
         if mid:
             acco = mid["methods"]["acco"]
-            add("2 ranks, comm ~ compute: acco >= 0.95 x roofline", f"{acco['median_vs_roofline']:.3f}",
+            add(f"2 ranks, {k}, comm ~ compute: acco >= 0.95 x roofline", f"{acco['median_vs_roofline']:.3f}",
                 acco["median_vs_roofline"] >= 0.95)
-            add("2 ranks, comm ~ compute: acco >= 2 x DDP + ZeRO-1", f"{acco['median_vs_zero1']:.2f}",
+            add(f"2 ranks, {k}, comm ~ compute: acco >= 2 x DDP + ZeRO-1", f"{acco['median_vs_zero1']:.2f}",
                 acco["median_vs_zero1"] >= 2)
             if "acco-aww" in mid["methods"]:
                 aww = mid["methods"]["acco-aww"]
-                add("(for reference) 2 ranks, comm ~ compute: accumulate-while-communicating vs roofline / ZeRO-1",
-                    f"{aww['median_vs_roofline']:.3f} / {aww['median_vs_zero1']:.2f}", None)
+                add(f"(for reference) 2 ranks, {k}, comm ~ compute: accumulate-while-communicating vs roofline / "
+                    "ZeRO-1", f"{aww['median_vs_roofline']:.3f} / {aww['median_vs_zero1']:.2f}", None)
         if slow and "acco-aww" in slow["methods"]:
             aww = slow["methods"]["acco-aww"]
-            add("2 ranks, comm ~ 3x compute: accumulate-while-communicating >= 0.9 x roofline",
+            add(f"2 ranks, {k}, comm ~ 3x compute: accumulate-while-communicating >= 0.9 x roofline",
                 f"{aww['median_vs_roofline']:.3f}", aww["median_vs_roofline"] >= 0.9)
         if free:
             acco = free["methods"]["acco"]
-            add("2 ranks, unlimited: acco not slower than DDP + ZeRO-1", f"{acco['median_vs_zero1']:.3f}",
+            add(f"2 ranks, {k}, unlimited: acco not slower than DDP + ZeRO-1", f"{acco['median_vs_zero1']:.3f}",
                 acco["median_vs_zero1"] >= 1.0)
     if convergence:
         methods = convergence["methods"]
@@ -390,7 +392,7 @@ def runtimes_section(**datas: Any) -> str:
         if data is None:
             continue
         rows.append([name, minutes(data["runtime_s"])])
-        if name == "throughput":
+        if name.startswith("throughput"):
             for run in data["runs"]:
                 rows.append([f"  {run['ranks']} ranks, {run['label']}", minutes(run["runtime_s"])])
     return table(["benchmark", "runtime (this machine, 2 cores)"], rows)
@@ -410,21 +412,24 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    throughput, convergence, memory = load("throughput"), load("convergence"), load("memory")
+    convergence, memory = load("convergence"), load("memory")
+    # throughput.json is the main sweep; throughput-NAME.json are further sweeps (other settings).
+    sweeps = {name: load(name) for name in ["throughput"] + sorted(p.stem for p in RESULTS_DIR.glob("throughput-*.json"))}
+    sweeps = {name: data for name, data in sweeps.items() if data}
     profiles = [p for p in (load("profile-2ranks"), load("profile-4ranks")) if p]
     blocks: dict[str, str] = {}
-    if throughput:
-        blocks["throughput"] = throughput_section(throughput) + f"\n![throughput]({'results/' + plot_throughput(throughput)})"
-        blocks["calibration"] = calibration_section(throughput)
-        blocks["lanes"] = lane_section(throughput)
+    for name, data in sweeps.items():
+        blocks[name] = throughput_section(data) + f"\n![{name}](results/{plot_throughput(data, name)})"
+        blocks["calibration" + name[len("throughput"):]] = calibration_section(data)
+        blocks["lanes" + name[len("throughput"):]] = lane_section(data)
     if convergence:
         blocks["convergence"] = convergence_section(convergence) + f"\n\n![convergence](results/{plot_convergence(convergence)})"
     if memory:
         blocks["memory"] = memory_section(memory)
     if profiles:
         blocks["profile"] = "\n\n".join(profile_section(p) for p in profiles)
-    blocks["targets"] = targets_section(throughput, convergence, memory)
-    blocks["runtimes"] = runtimes_section(throughput=throughput, convergence=convergence, memory=memory,
+    blocks["targets"] = targets_section(list(sweeps.values()), convergence, memory)
+    blocks["runtimes"] = runtimes_section(**sweeps, convergence=convergence, memory=memory,
                                           **{f"profile_lanes ({p['ranks']} ranks)": p for p in profiles})
     text = README.read_text()
     for name, body in blocks.items():
