@@ -216,6 +216,25 @@ def convergence_section(data: dict) -> str:
     return intro + "\n\n" + table(header, rows)
 
 
+def convergence_runs_section(runs: dict[str, dict]) -> str:
+    """One row per convergence run (the main one and ``convergence-*.json``): how acco's
+    and dpu's gaps to sync move with the seed and the settings."""
+    rows = []
+    for name, data in runs.items():
+        cfg, methods = data["config"], data["methods"]
+        if "acco-sync" not in methods:
+            continue
+        rows.append([
+            f"results/{name}.json", str(cfg["seed"]), str(cfg["lr"]), str(cfg["updates"]),
+            f"{methods['acco-sync']['final_eval_loss']:.4f}",
+            f"{methods['acco']['final_eval_loss']:.4f} ({methods['acco']['gap_vs_sync']:+.2%})" if "acco" in methods else "",
+            f"{methods['acco-dpu']['final_eval_loss']:.4f} ({methods['acco-dpu']['gap_vs_sync']:+.2%})"
+            if "acco-dpu" in methods else "",
+        ])
+    header = ["run", "seed", "peak lr", "updates", "sync eval loss", "acco (vs sync)", "dpu (vs sync)"]
+    return table(header, rows)
+
+
 def plot_convergence(data: dict) -> str:
     import matplotlib
 
@@ -422,6 +441,11 @@ def main(argv: list[str] | None = None) -> None:
         blocks[name] = throughput_section(data) + f"\n![{name}](results/{plot_throughput(data, name)})"
         blocks["calibration" + name[len("throughput"):]] = calibration_section(data)
         blocks["lanes" + name[len("throughput"):]] = lane_section(data)
+    convergence_runs = {name: load(name) for name in ["convergence"] + sorted(
+        p.stem for p in RESULTS_DIR.glob("convergence-*.json"))}
+    convergence_runs = {name: data for name, data in convergence_runs.items() if data}
+    if convergence_runs:
+        blocks["convergence-runs"] = convergence_runs_section(convergence_runs)
     if convergence:
         blocks["convergence"] = convergence_section(convergence) + f"\n\n![convergence](results/{plot_convergence(convergence)})"
     if memory:
