@@ -3,7 +3,7 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
 
 The whole sweep (calibration, every rate, 2 and 4 ranks; needs root for the namespace):
 
-    sudo $(which python) benchmarks/throughput.py            # about 40 min on 2 cores
+    sudo $(which python) benchmarks/throughput.py            # about 50 min on 2 cores
     sudo $(which python) benchmarks/throughput.py --quick    # 2 ranks, 1 repeat: a few minutes
 
 One configuration on a real cluster (no namespace, the network you have), every method
