@@ -20,6 +20,7 @@ update; computed from the shard size).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import resource
@@ -196,6 +197,10 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     accounting["rss_at_start_bytes"] = baseline_rss
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, accounting)
+    # Tear down DDP / ZeRO / acco while the process group still exists: a gloo-backed
+    # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
+    del method, model
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return {"method": name, "ranks": ctx.world_size, "per_rank": gathered}
