@@ -156,7 +156,7 @@ def lane_section(data: dict) -> str:
     return table(header, rows)
 
 
-def plot_throughput(data: dict, name: str = "throughput") -> str:
+def plot_throughput(data: dict, stem: str = "throughput") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +180,7 @@ def plot_throughput(data: dict, name: str = "throughput") -> str:
         ax.set_title(f"{ranks} ranks" + (" (oversubscribed)" if ranks > data["machine"]["cpus"] else ""))
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
+    path = RESULTS_DIR / f"{stem}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
