@@ -42,6 +42,12 @@ def load(name: str) -> Any | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def load_family(base: str) -> dict[str, Any]:
+    """``base.json`` and every ``base-NAME.json`` that exist, by file stem, ``base`` first."""
+    stems = [base] + sorted(p.stem for p in RESULTS_DIR.glob(f"{base}-*.json"))
+    return {stem: data for stem, data in ((stem, load(stem)) for stem in stems) if data}
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -351,8 +357,7 @@ def profile_section(data: dict) -> str:
 # ---------------------------------------------------------------------------------- targets
 
 
-def targets_section(throughputs: list[dict], convergence: dict | None, memory: dict | None,
-                    convergence_runs: dict[str, dict]) -> str:
+def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], memory: dict | None) -> str:
     rows = []
 
     def add(target: str, measured: str, met: bool | None) -> None:
@@ -380,6 +385,7 @@ def targets_section(throughputs: list[dict], convergence: dict | None, memory: d
             acco = free["methods"]["acco"]
             add(f"2 ranks, {k}, unlimited: acco not slower than DDP + ZeRO-1", f"{acco['median_vs_zero1']:.3f}",
                 acco["median_vs_zero1"] >= 1.0)
+    convergence = convergence_runs.get("convergence")
     if convergence:
         methods = convergence["methods"]
         if "acco" in methods and "acco-sync" in methods:
@@ -437,19 +443,17 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
-    convergence, memory = load("convergence"), load("memory")
-    # throughput.json is the main sweep; throughput-NAME.json are further sweeps (other settings).
-    sweeps = {name: load(name) for name in ["throughput"] + sorted(p.stem for p in RESULTS_DIR.glob("throughput-*.json"))}
-    sweeps = {name: data for name, data in sweeps.items() if data}
+    memory = load("memory")
+    # throughput.json is the main sweep; throughput-NAME.json are further sweeps (other settings);
+    # likewise convergence.json and further convergence runs.
+    sweeps, convergence_runs = load_family("throughput"), load_family("convergence")
+    convergence = convergence_runs.get("convergence")
     profiles = [p for p in (load("profile-2ranks"), load("profile-4ranks")) if p]
     blocks: dict[str, str] = {}
     for name, data in sweeps.items():
         blocks[name] = throughput_section(data) + f"\n![{name}](results/{plot_throughput(data, name)})"
         blocks["calibration" + name[len("throughput"):]] = calibration_section(data)
         blocks["lanes" + name[len("throughput"):]] = lane_section(data)
-    convergence_runs = {name: load(name) for name in ["convergence"] + sorted(
-        p.stem for p in RESULTS_DIR.glob("convergence-*.json"))}
-    convergence_runs = {name: data for name, data in convergence_runs.items() if data}
     if convergence_runs:
         blocks["convergence-runs"] = convergence_runs_section(convergence_runs)
     if convergence:
@@ -458,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         blocks["memory"] = memory_section(memory)
     if profiles:
         blocks["profile"] = "\n\n".join(profile_section(p) for p in profiles)
-    blocks["targets"] = targets_section(list(sweeps.values()), convergence, memory, convergence_runs)
+    blocks["targets"] = targets_section(list(sweeps.values()), convergence_runs, memory)
     blocks["runtimes"] = runtimes_section(**sweeps, convergence=convergence, memory=memory,
                                           **{f"profile_lanes ({p['ranks']} ranks)": p for p in profiles})
     text = README.read_text()

@@ -44,8 +44,8 @@ def params_of(model: nn.Module) -> Params:
 
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
-# Called with (update number, full optimizer) before update t is computed: sets its lr.
-# Called before update t's estimate ("estimate") and before it is applied ("commit").
+# Called with (update number, full optimizer, "estimate" or "commit") before update t's
+# estimate and before update t is applied: sets the lr each uses.
 UpdateHook = Callable[[int, torch.optim.Optimizer, str], None]
 
 
