@@ -24,7 +24,7 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
-from acco.streams import LaneFuture, make_lane
+from acco.streams import LaneFuture, Stamp, make_lane
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
 
@@ -91,7 +91,14 @@ _STATE_VERSION = 1
 
 @dataclass
 class RoundStats:
-    """What one round did, on this rank. Times are ``time.perf_counter()`` seconds.
+    """What one round did, on this rank.
+
+    Times are ``time.perf_counter()`` seconds on CPU. On CUDA they are GPU times, from
+    timing events on the streams (seconds since the lane was made): the lane's times from
+    the side stream, the waits from the training thread's stream, where a wait is the time
+    that stream sat idle at the round boundary for the round's result. They are filled in
+    once the GPU has passed those events (at the latest by ``finish()``); reading them never
+    blocks the training thread before then.
 
     Attributes:
         index: rounds are numbered from 0 in launch order, the same on every rank.
@@ -127,6 +134,28 @@ class RoundStats:
     grad_norm: float = math.nan
     skipped: bool = False
     phase: str = "queued"
+    # Filled in by _resolve() once the device has passed them (at once on CPU).
+    _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)
+    _phases: list[tuple[str, Stamp, Stamp]] = field(default_factory=list, repr=False, compare=False)
+    _norm: Callable[[float], Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def _resolve(self, block: bool) -> bool:
+        """Turn the lanes' stamps into seconds; False while the device has not passed them."""
+        times = {key: stamp.seconds(block) for key, stamp in self._stamps.items()}
+        phases = [(name, a.seconds(block), b.seconds(block)) for name, a, b in self._phases]
+        if any(t is None for t in times.values()) or any(a is None or b is None for _, a, b in phases):
+            return False
+        for key, value in times.items():
+            setattr(self, key, value)
+        if "wait_end" in times:
+            self.wait_seconds = self.wait_end - self.wait_start
+        self.phase_seconds = {}
+        for name, a, b in phases:
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + b - a
+        if self._norm is not None:
+            self.grad_norm = float(self._norm(math.inf))  # a host copy the lane has finished
+        self._stamps, self._phases, self._norm = {}, [], None
+        return True
 
     @property
     def lane_seconds(self) -> float:
@@ -148,12 +177,43 @@ class _Round:
 
     kind: RoundKind
     grads: list[Tensor]
-    update_weight: float
-    update_micro_batches: int
+    update_weights: _Weights
+    round_weights: _Weights
     hyperparams: list[dict[str, Any]]
     stats: RoundStats
     future: LaneFuture[RoundStats] | None = None
     finished: bool = False
+
+
+@dataclass
+class _Weights:
+    """A sum of ``accumulate()`` weights.
+
+    Numbers add up on the host. CUDA tensors add up on the device, because reading one would
+    make the training thread wait for the backward that produced it; with them goes a count
+    of invalid ones (negative, NaN, inf), checked on the comm lane. ``device`` is replaced,
+    never written in place, so a round handed a copy of this object keeps its own values.
+    """
+
+    host: float = 0.0
+    device: Tensor | None = None  # float64 [sum, invalid count]
+    micro_batches: int = 0
+
+    def add(self, weight: float | Tensor) -> None:
+        self.micro_batches += 1
+        if isinstance(weight, Tensor):
+            value = weight.double()
+            part = torch.stack([value, (~torch.isfinite(value) | (value < 0)).double()])
+            self.device = part if self.device is None else self.device + part
+        else:
+            self.host += weight
+
+    def copy(self) -> _Weights:
+        return _Weights(self.host, self.device, self.micro_batches)
+
+    def total(self) -> float:
+        """The sum on the host (waits for the device part, if any)."""
+        return self.host + (0.0 if self.device is None else float(self.device[0]))
 
 
 class AccoOptimizer(torch.optim.Optimizer):
@@ -289,22 +349,22 @@ class AccoOptimizer(torch.optim.Optimizer):
             group.set_initial_values(initial)
         self._lane_comm = self._comm.new_lane_group(timeout)
         self._lane = make_lane(self._groups[0].device)
-        weakref.finalize(self, self._lane.close)
+        # The worker drops the flat buffers only after its stream has finished with them.
+        weakref.finalize(self, self._lane.close, 0.0, self._groups)
 
         # Round state: what the next handover launches, and the round in flight.
         self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
         self._in_flight: _Round | None = None
         self._rounds_launched = 0
-        self._pending_weight = 0.0
-        self._pending_micro_batches = 0
-        self._round_weight = 0.0
-        self._round_micro_batches = 0
+        self._pending = _Weights()  # since the last commit's hand-over: the next update's
+        self._round = _Weights()  # since the last hand-over: this round's
         self._closed = False
         self._failure: BaseException | None = None
         self.num_updates = 0
         self.skipped_updates = 0
         self.committed_weight = 0.0
-        self.round_stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
+        self._round_stats: collections.deque[RoundStats] = collections.deque(maxlen=1024)
+        self._unresolved: collections.deque[RoundStats] = collections.deque()
 
     # ----------------------------------------------------------------- compute lane
 
@@ -317,26 +377,24 @@ class AccoOptimizer(torch.optim.Optimizer):
         Args:
             weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over
                 (a number or a one-element tensor). The update divides the weighted sum
-                by the total weight over all ranks.
+                by the total weight over all ranks. A CUDA tensor (e.g. a token count
+                computed on the GPU) is never read on the host: it scales the gradients on
+                the device and is checked on the comm lane.
 
         Raises:
-            ValueError: ``weight`` is negative, NaN or infinite.
+            ValueError: ``weight`` is negative, NaN or infinite (for a CUDA tensor: the
+                round fails with ``CommLaneError`` on every rank, naming the invalid weight).
             RuntimeError: no parameter has a gradient, or the optimizer is finished.
         """
         self._check_usable("accumulate")
-        if isinstance(weight, Tensor) and weight.numel() == 1:
-            weight = weight.item()  # e.g. a token count computed on the device
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+        weight = _checked_weight(weight)
         self._check_params_unchanged()
         with record_function("acco.accumulate"):
-            found = [group.accumulate_grads(float(weight)) for group in self._groups]
+            found = [group.accumulate_grads(weight) for group in self._groups]
         if not any(found):
             raise RuntimeError("accumulate() found no gradient in any parameter: call backward() first")
-        self._pending_weight += weight
-        self._pending_micro_batches += 1
-        self._round_weight += weight
-        self._round_micro_batches += 1
+        self._pending.add(weight)
+        self._round.add(weight)
 
     def ready(self) -> bool:
         """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
@@ -358,7 +416,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("AccoOptimizer.step() takes no closure")
         self._check_usable("step")
-        if self._rounds_launched == 0 and self._round_micro_batches == 0:
+        if self._rounds_launched == 0 and self._round.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
         self._check_params_unchanged()
         with record_function("acco.step"):
@@ -391,8 +449,11 @@ class AccoOptimizer(torch.optim.Optimizer):
             if round_ is not None and round_.kind is RoundKind.ESTIMATE:
                 self._in_flight = None
                 self._wait(round_)
-                return False
-            return self._land_in_flight()
+                committed = False
+            else:
+                committed = self._land_in_flight()
+            self._resolve_stats(block=True)
+            return committed
         finally:
             self.close()
 
@@ -403,8 +464,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         latest after ``timeout``, since the other ranks will not join it). Idempotent.
         """
         self._closed = True
+        # The worker holds what a dropped round may still read on the device (hand-over
+        # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
+        self._lane.close(keep=(self._in_flight, self._groups, self._base))
         self._in_flight = None
-        self._lane.close()
 
     def __enter__(self) -> AccoOptimizer:
         return self
@@ -456,18 +519,18 @@ class AccoOptimizer(torch.optim.Optimizer):
         # scheduler has stepped for the previous update, so committed updates follow the
         # schedule exactly as in sync mode.
         hyperparams = [_hyperparams(g) for g in self.param_groups]
-        stats = RoundStats(self._rounds_launched, kind, self._round_micro_batches, self._round_weight)
+        stats = RoundStats(self._rounds_launched, kind, self._round.micro_batches, self._round.host)
         round_ = _Round(
             kind=kind,
             grads=grads,
-            update_weight=self._pending_weight,
-            update_micro_batches=self._pending_micro_batches,
+            update_weights=self._pending.copy(),
+            round_weights=self._round.copy(),
             hyperparams=hyperparams,
             stats=stats,
         )
         if not keep_accumulating:
-            self._pending_weight, self._pending_micro_batches = 0.0, 0
-        self._round_weight, self._round_micro_batches = 0.0, 0
+            self._pending = _Weights()
+        self._round = _Weights()
         self._rounds_launched += 1
         self._next_kind = _next_kind(self.mode, kind)
         round_.future = self._lane.submit(lambda: self._run_round(round_))
@@ -495,7 +558,7 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _wait(self, round_: _Round) -> RoundStats:
         if round_.finished:  # already waited for by state_dict()
             return round_.stats
-        started = time.perf_counter()
+        started = self._lane.hooks.stamp()
         try:
             with record_function("acco.wait"):
                 stats = round_.future.result(timeout=_wait_seconds(self.timeout))
@@ -509,11 +572,23 @@ class AccoOptimizer(torch.optim.Optimizer):
         except BaseException as error:
             self._failure = error
             raise
-        stats.wait_start, stats.wait_end = started, time.perf_counter()
-        stats.wait_seconds = stats.wait_end - started
+        stats._stamps.update(wait_start=started, wait_end=self._lane.hooks.stamp())
         round_.finished = True
-        self.round_stats.append(stats)
+        self._round_stats.append(stats)
+        self._unresolved.append(stats)
+        self._resolve_stats(block=False)
         return stats
+
+    def _resolve_stats(self, block: bool) -> None:
+        while self._unresolved and self._unresolved[0]._resolve(block):
+            self._unresolved.popleft()
+
+    @property
+    def round_stats(self) -> collections.deque[RoundStats]:
+        """The last 1024 rounds' :class:`RoundStats`, oldest first (times filled in once the
+        device has passed them; never blocks)."""
+        self._resolve_stats(block=False)
+        return self._round_stats
 
     def _check_params_unchanged(self) -> None:
         for number, group in enumerate(self._groups):
@@ -533,38 +608,51 @@ class AccoOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------------- comm lane
 
     def _run_round(self, round_: _Round) -> RoundStats:
-        """One round on the comm lane: weights, reduce-scatter, update, all-gather."""
+        """One round on the comm lane: weights, reduce-scatter, update, all-gather.
+
+        Runs on the lane's worker thread: its host synchronisations (reading the weights,
+        the base optimizer's own) block only the worker. On CUDA the reduce-scatter is
+        enqueued before the weights are read on the host, so it follows the small all-reduce
+        on the device without a host round trip in between.
+        """
         stats = round_.stats
-        stats.lane_start = time.perf_counter()
+        hooks = self._lane.hooks
+        stats._stamps["lane_start"] = hooks.stamp()
         try:
             with self._phase(stats, "weights"):
-                nonfinite = any(_has_nonfinite(g) for g in round_.grads)
-                totals = torch.tensor(
-                    [round_.update_weight, stats.local_weight, stats.local_micro_batches, nonfinite],
-                    dtype=torch.float64,
-                )
-                if self._lane_comm.backend == "nccl":
-                    totals = totals.to(self._groups[0].device)
+                local = self._round_totals(round_)
+                read_local = hooks.host_copy(local)
+                totals = local.clone()
                 self._lane_comm.all_reduce_sum_(totals)
-                stats.update_weight, stats.global_weight, global_micro_batches, nonfinite_ranks = totals.tolist()
-                stats.global_micro_batches = int(global_micro_batches)
-                if not stats.update_weight > 0:
-                    raise ValueError(
-                        f"the total weight over all ranks is {stats.update_weight}: no rank called "
-                        "accumulate() (with a positive weight) before step()"
-                    )
-                if nonfinite_ranks and self.nonfinite is NonFinite.RAISE:
-                    raise FloatingPointError(f"non-finite gradients on {int(nonfinite_ranks)} rank(s)")
-            if nonfinite_ranks:
-                return self._skip_round(stats)
+                read_totals = hooks.host_copy(totals)
             with self._phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
                     self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
-            for group in self._groups:
-                torch.div(group.grad_shard, stats.update_weight, out=group.master_grad)
+            with self._phase(stats, "weights"):
+                limit = self.timeout.total_seconds()
+                _, stats.local_weight, _, _, _ = read_local(limit).tolist()
+                update_weight, global_weight, global_micro_batches, nonfinite, invalid = read_totals(limit).tolist()
+                stats.update_weight, stats.global_weight = update_weight, global_weight
+                stats.global_micro_batches = int(global_micro_batches)
+                if invalid:
+                    raise ValueError(f"accumulate() got {int(invalid)} invalid weight(s) (negative, NaN or inf)")
+                if not update_weight > 0:
+                    raise ValueError(
+                        f"the total weight over all ranks is {update_weight}: no rank called "
+                        "accumulate() (with a positive weight) before step()"
+                    )
+                if nonfinite:
+                    nonfinite = self._confirm_nonfinite(round_.grads)
+                if nonfinite and self.nonfinite is NonFinite.RAISE:
+                    raise FloatingPointError(f"non-finite gradients on {int(nonfinite)} rank(s)")
+            if nonfinite:
+                return self._skip_round(stats)
+            with self._phase(stats, "reduce-scatter"):
+                for group in self._groups:
+                    torch.div(group.grad_shard, update_weight, out=group.master_grad)
             if self.max_grad_norm is not None:
                 with self._phase(stats, "grad-norm"):
-                    stats.grad_norm = self._clip_master_grads(self.max_grad_norm)
+                    stats._norm = hooks.host_copy(self._clip_master_grads(self.max_grad_norm))
             with self._phase(stats, "update"):
                 for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
                     if base is not None:
@@ -578,8 +666,35 @@ class AccoOptimizer(torch.optim.Optimizer):
             raise CommLaneError(
                 f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
             ) from error
-        stats.lane_end = time.perf_counter()
+        stats._stamps["lane_end"] = hooks.stamp()
         return stats
+
+    def _round_totals(self, round_: _Round) -> Tensor:
+        """This rank's [update weight, round weight, round micro-batches, whether its
+        gradients look non-finite, invalid weights], float64 on the gradients' device, made
+        without reading anything from the device."""
+        update, local = round_.update_weights, round_.round_weights
+        host = torch.tensor([update.host, local.host, local.micro_batches, 0.0, 0.0], dtype=torch.float64)
+        totals = self._lane.hooks.to_device(host) if round_.grads[0].is_cuda else host
+        if update.device is not None:
+            totals[0] += update.device[0]
+        if local.device is not None:
+            totals[1] += local.device[0]
+            totals[4] += local.device[1]
+        # A sum is NaN or inf whenever an element is, and costs a thirtieth of an exact
+        # scan; _confirm_nonfinite scans only when some rank's sum was not finite.
+        sums = torch.stack([grads.sum().double() for grads in round_.grads])
+        totals[3] += (~torch.isfinite(sums)).any().double()
+        return totals
+
+    def _confirm_nonfinite(self, grads: list[Tensor]) -> int:
+        """How many ranks really hold a NaN or inf (a sum may overflow on huge finite values).
+
+        Runs on every rank once the all-reduced flags say some rank's sum was not finite.
+        """
+        exact = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().double().reshape(1)
+        self._lane_comm.all_reduce_sum_(exact)
+        return int(self._lane.hooks.host_copy(exact)(self.timeout.total_seconds()).item())
 
     def _skip_round(self, stats: RoundStats) -> RoundStats:
         """No update: the round's result is the committed parameters, unchanged."""
@@ -588,30 +703,29 @@ class AccoOptimizer(torch.optim.Optimizer):
             for group in self._groups:
                 group.gather_input.copy_(group.master)
                 self._lane_comm.all_gather(group.gathered, group.gather_input)
-        stats.lane_end = time.perf_counter()
+        stats._stamps["lane_end"] = self._lane.hooks.stamp()
         return stats
 
-    def _clip_master_grads(self, max_norm: float) -> float:
+    def _clip_master_grads(self, max_norm: float) -> Tensor:
         """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` would on the full gradient; returns the norm
-        before clipping. One all-reduce of the squared shard norms."""
-        squares = torch.stack([g.master_grad.double().square().sum() for g in self._groups]).sum()
-        self._lane_comm.all_reduce_sum_(squares.reshape(1))
-        norm = float(squares.sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        if scale < 1.0:
-            for group in self._groups:
-                group.master_grad.mul_(scale)
+        before clipping, on the device. One all-reduce of the squared shard norms; the scale
+        is computed on the device, so nothing waits for the reduce-scatter on the host."""
+        squares = torch.stack([g.master_grad.double().square().sum() for g in self._groups]).sum().reshape(1)
+        self._lane_comm.all_reduce_sum_(squares)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for group in self._groups:
+            group.master_grad.mul_(scale)
         return norm
 
-    @staticmethod
     @contextmanager
-    def _phase(stats: RoundStats, name: str) -> Iterator[None]:
+    def _phase(self, stats: RoundStats, name: str) -> Iterator[None]:
         stats.phase = name
-        started = time.perf_counter()
+        started = self._lane.hooks.stamp()
         with record_function(f"acco.{name}"):
             yield
-        stats.phase_seconds[name] = time.perf_counter() - started
+        stats._phases.append((name, started, self._lane.hooks.stamp()))
 
     def _build_base(self, index: int, defaults: dict[str, Any]) -> torch.optim.Optimizer | None:
         views = self._groups[index].master_views
@@ -698,10 +812,10 @@ class AccoOptimizer(torch.optim.Optimizer):
                     "rounds_launched": self._rounds_launched,
                     "next_kind": self._next_kind.value,
                     "in_flight_kind": None if round_ is None else round_.kind.value,
-                    "pending_weight": self._pending_weight,
-                    "pending_micro_batches": self._pending_micro_batches,
-                    "round_weight": self._round_weight,
-                    "round_micro_batches": self._round_micro_batches,
+                    "pending_weight": self._pending.total(),
+                    "pending_micro_batches": self._pending.micro_batches,
+                    "round_weight": self._round.total(),
+                    "round_micro_batches": self._round.micro_batches,
                 },
                 "groups": groups,
             },
@@ -718,7 +832,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             all-gathered again on the comm lane): every rank must call it.
         """
         self._check_usable("load_state_dict")
-        if self._in_flight is not None or self._rounds_launched or self._pending_micro_batches:
+        if self._in_flight is not None or self._rounds_launched or self._pending.micro_batches:
             raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
         saved = _check_state_dict(self, state_dict)
         for group, values in zip(self.param_groups, state_dict["param_groups"]):
@@ -727,17 +841,18 @@ class AccoOptimizer(torch.optim.Optimizer):
             sharded.master.copy_(values["master"])
             sharded.grad_accumulator.copy_(values["grad_accumulator"])
             if base is not None:
-                _load_base_state(sharded, base, values["base_state"])
+                # On the lane, so the state is allocated on the stream that uses and frees it.
+                self._lane.run(
+                    lambda: _load_base_state(sharded, base, values["base_state"]), _wait_seconds(self.timeout)
+                )
         round_state = saved["round"]
         self.num_updates = int(saved["num_updates"])
         self.skipped_updates = int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._rounds_launched = int(round_state["rounds_launched"])
         self._next_kind = RoundKind(round_state["next_kind"])
-        self._pending_weight = float(round_state["pending_weight"])
-        self._pending_micro_batches = int(round_state["pending_micro_batches"])
-        self._round_weight = float(round_state["round_weight"])
-        self._round_micro_batches = int(round_state["round_micro_batches"])
+        self._pending = _Weights(float(round_state["pending_weight"]), None, int(round_state["pending_micro_batches"]))
+        self._round = _Weights(float(round_state["round_weight"]), None, int(round_state["round_micro_batches"]))
         if round_state["in_flight_kind"] is not None:
             for sharded, values in zip(self._groups, saved["groups"]):
                 sharded.gather_input.copy_(values["in_flight_result"])
@@ -746,14 +861,14 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _replay_in_flight(self, kind: RoundKind) -> None:
         """Re-create the saved round in flight: its result only needs all-gathering again."""
         stats = RoundStats(self._rounds_launched - 1, kind, 0, 0.0)
-        round_ = _Round(kind=kind, grads=[], update_weight=0.0, update_micro_batches=0, hyperparams=[], stats=stats)
+        round_ = _Round(kind, [], _Weights(), _Weights(), hyperparams=[], stats=stats)
 
         def all_gather() -> RoundStats:
-            stats.lane_start = time.perf_counter()
+            stats._stamps["lane_start"] = self._lane.hooks.stamp()
             with self._phase(stats, "all-gather"):
                 for group in self._groups:
                     self._lane_comm.all_gather(group.gathered, group.gather_input)
-            stats.lane_end = time.perf_counter()
+            stats._stamps["lane_end"] = self._lane.hooks.stamp()
             return stats
 
         round_.future = self._lane.submit(all_gather)
@@ -831,11 +946,17 @@ def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: d
     base.state.update(saved_state)
 
 
-def _has_nonfinite(buffer: Tensor) -> bool:
-    """Whether ``buffer`` holds a NaN or an inf. Its sum is NaN or inf whenever an element
-    is, and costs a thirtieth of ``isfinite().all()``; the exact check runs only when the
-    sum is not finite (it may also overflow on huge finite values)."""
-    return not bool(torch.isfinite(buffer.sum())) and not bool(torch.isfinite(buffer).all())
+def _checked_weight(weight: Any) -> float | Tensor:
+    """A valid weight: a number, or a one-element CUDA tensor (0-dim), checked on the lane."""
+    if isinstance(weight, Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"Invalid weight: a tensor of shape {tuple(weight.shape)} (a number or one element)")
+        if weight.is_cuda:
+            return weight.detach().reshape(())  # read on the host only by the comm lane
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+    return float(weight)
 
 
 def _next_kind(mode: Mode, launched: RoundKind) -> RoundKind:

@@ -176,10 +176,11 @@ class ShardedGroup:
     def _views(self, buffer: Tensor) -> list[Tensor]:
         return [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.plan.slots]
 
-    def accumulate_grads(self, weight: float) -> bool:
+    def accumulate_grads(self, weight: float | Tensor) -> bool:
         """Add ``weight * p.grad`` into the accumulator and drop ``p.grad``.
 
-        Returns whether any parameter had a gradient.
+        ``weight`` is a number, or a 0-dim tensor on the gradients' device (never read on
+        the host). Returns whether any parameter had a gradient.
         """
         targets, grads = [], []
         for param, view in zip(self.params, self._accumulator_views):
@@ -190,7 +191,11 @@ class ShardedGroup:
             targets.append(view)
             grads.append(param.grad)
             param.grad = None
-        if targets:
+        if targets and isinstance(weight, Tensor):
+            # p.grad is consumed anyway: scale it in place, in fp32 at least.
+            torch._foreach_mul_(grads, weight.to(torch.promote_types(grads[0].dtype, torch.float32)))
+            torch._foreach_add_(targets, grads)
+        elif targets:
             torch._foreach_add_(targets, grads, alpha=weight)
         return bool(targets)
 
