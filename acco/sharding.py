@@ -289,9 +289,13 @@ class Collectives:
         group = dist.new_group(ranks, timeout=timeout, backend=self.backend, use_local_synchronization=True)
         return Collectives(group)
 
+    # Tests only: issue the collectives even in a group of one rank (e.g. to run NCCL from
+    # the comm lane's thread on a machine with one GPU).
+    communicate_alone: bool = False
+
     @property
     def active(self) -> bool:
-        return self.group is not None and self.world_size > 1
+        return self.group is not None and (self.world_size > 1 or self.communicate_alone)
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:
         if self.active:

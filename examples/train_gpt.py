@@ -128,7 +128,9 @@ def setup_distributed(device_type: str, backend: str | None, timeout: datetime.t
         return Dist(rank=0, world_size=1, device=device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
+        # Ranks beyond the GPU count share GPUs (e.g. 2 ranks on one GPU with --backend gloo;
+        # NCCL refuses two ranks on one device).
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -390,11 +392,13 @@ class Progress:
         self.start = self.window_start = time.perf_counter()
         self.paused = self.window_paused = 0.0
         self.samples = 0
-        self.window_losses: list[float] = []
+        self.window_losses: list[Tensor] = []
         self.next_round = 0
 
-    def micro_batch(self, loss: float) -> None:
-        self.window_losses.append(loss)
+    def micro_batch(self, loss: Tensor) -> None:
+        # Kept on the device and read at the next progress line: a .item() per micro-batch
+        # would make the training thread wait for the GPU every time.
+        self.window_losses.append(loss.detach())
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
@@ -421,7 +425,7 @@ class Progress:
         self._collect(rounds)
         now = time.perf_counter()
         rate = (self.samples - samples_before) / (now - self.window_start - self.window_paused)
-        loss = statistics.fmean(self.window_losses) if self.window_losses else math.nan
+        loss = torch.stack(self.window_losses).float().mean().item() if self.window_losses else math.nan
         hidden = statistics.fmean(r.hidden_share for r in rounds) if rounds else math.nan
         local = statistics.fmean(r.local_micro_batches for r in rounds) if rounds else math.nan
         total = statistics.fmean(r.global_micro_batches for r in rounds) if rounds else math.nan
@@ -495,7 +499,8 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
 
     def micro_batch() -> None:
         x, y = sample_batch(train_data, args.batch_size, args.seq_len, generator)
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        if ctx.device.type == "cuda":  # pinned and non-blocking: no wait for the GPU
+            x, y = x.pin_memory().to(ctx.device, non_blocking=True), y.pin_memory().to(ctx.device, non_blocking=True)
         if slowdown is not None and slowdown[0] == ctx.rank:
             for _ in range(slowdown[1] - 1):  # a slower device: the same work, repeated
                 loss_fn(model, x, y).backward()
@@ -503,7 +508,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         loss = loss_fn(model, x, y)
         loss.backward()
         opt.accumulate(weight=x.numel())  # the loss is a mean over this many tokens
-        progress.micro_batch(loss.item())
+        progress.micro_batch(loss)
 
     def end_round(next_round: int) -> None:
         if not opt.step():

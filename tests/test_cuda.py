@@ -1,0 +1,276 @@
+"""The CUDA comm lane: it never blocks the training thread, overlaps on the GPU, and
+computes what the CPU computes. Skipped without CUDA.
+
+- ``step()`` returns at once while the compute stream is busy (``torch.cuda._sleep``), with
+  and without clipping, with an optimizer that syncs the host itself (ASGD), and with a
+  token count on the device as the weight;
+- a round sleeping on the side stream and compute sleeping on the compute stream take the
+  time of one sleep, not two;
+- sync / dpu / acco on CUDA equal the same run on CPU: world size 1, world size 2 with gloo
+  on CUDA tensors (two ranks sharing one GPU), and bf16 parameters with an fp32 master;
+- NCCL runs from the lane's worker thread (a group of one rank, collectives forced on).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from acco import AccoOptimizer
+from tests.reference import OPTIMIZERS, loss_fn, make_model, micro_batch, params_of
+from tests.ranks import free_port
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@pytest.fixture(scope="module")
+def cycles_per_second() -> float:
+    """``torch.cuda._sleep`` cycles per second on this GPU."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(int(5e7))
+    end.record()
+    end.synchronize()
+    return 5e7 / (start.elapsed_time(end) / 1000.0)
+
+
+def wide_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512)).cuda()
+
+
+def settle(opt: AccoOptimizer) -> None:
+    """Wait until the GPU is idle and the round in flight has finished."""
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 30
+    while not opt.ready() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("optimizer", ["adamw", "asgd"])
+def test_step_returns_at_once_while_the_compute_stream_is_busy(cycles_per_second, optimizer, max_grad_norm):
+    model = wide_model()
+    cls = {"adamw": torch.optim.AdamW, "asgd": torch.optim.ASGD}[optimizer]
+    opt = AccoOptimizer(model, cls, mode="acco", lr=1e-3, max_grad_norm=max_grad_norm, timeout=TIMEOUT)
+    x = torch.randn(64, 512, device="cuda")
+    for _ in range(4):  # the lane thread, CUDA context and optimizer state exist from here on
+        model(x).square().mean().backward()
+        opt.accumulate(weight=torch.tensor(64.0, device="cuda"))
+        opt.step()
+    settle(opt)
+    timings = []
+    for _ in range(3):
+        model(x).square().mean().backward()
+        tokens = torch.full((), 64.0, device="cuda")  # a token count computed on the device
+        torch.cuda._sleep(int(0.5 * cycles_per_second))  # the compute stream is busy for 0.5 s
+        started = time.perf_counter()
+        opt.accumulate(weight=tokens)
+        opt.step()
+        timings.append(time.perf_counter() - started)
+        busy = not opt.ready()
+        settle(opt)
+        assert busy, "ready() was True while the round's inputs were still being computed"
+    opt.finish()
+    # Before the comm lane, this took the full 0.5 s (the round's host syncs ran here).
+    assert min(timings) < 0.02, timings
+    assert sorted(timings)[1] < 0.05, timings
+
+
+class SleepySGD(torch.optim.SGD):
+    """SGD whose next steps first sleep on the current stream (the lane's side stream)."""
+
+    sleeps: list[int] = []
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        if SleepySGD.sleeps:
+            torch.cuda._sleep(SleepySGD.sleeps.pop(0))
+        return super().step(closure)
+
+
+def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second):
+    model = wide_model()
+    opt = AccoOptimizer(model, SleepySGD, mode="dpu", lr=1e-3, timeout=TIMEOUT)
+    x = torch.randn(64, 512, device="cuda")
+    for _ in range(3):
+        model(x).square().mean().backward()
+        opt.accumulate()
+        opt.step()
+    settle(opt)
+    SleepySGD.sleeps = [int(0.3 * cycles_per_second)]
+    model(x).square().mean().backward()
+    opt.accumulate()
+    started = time.perf_counter()
+    opt.step()  # the round sleeps 0.3 s on the side stream ...
+    torch.cuda._sleep(int(0.3 * cycles_per_second))  # ... while compute sleeps 0.3 s
+    model(x).square().mean().backward()
+    opt.accumulate()
+    opt.step()  # lands the round: the compute stream waits for it on the GPU
+    torch.cuda.current_stream().record_event().synchronize()
+    elapsed = time.perf_counter() - started
+    opt.finish()
+    assert elapsed < 0.45, f"{elapsed:.3f}s: the lane and compute did not overlap (0.6 s if serialised)"
+    assert elapsed > 0.28, elapsed
+    slow = [s for s in opt.round_stats if s.phase_seconds.get("update", 0.0) > 0.25]
+    assert len(slow) == 1, [s.phase_seconds for s in opt.round_stats]
+    # GPU times: the lane's round took 0.3 s and the compute stream hardly waited for it.
+    assert slow[0].lane_seconds >= 0.28 and slow[0].hidden_share > 0.8, slow[0]
+
+
+# ------------------------------------------------------------------- parity with CPU
+
+
+def train(device: str, mode: str, optimizer: str, rounds: int = 6, param_dtype: torch.dtype | None = None) -> dict:
+    """A run with clipping and unequal weights (tensors on ``device``); params on the CPU."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model = make_model(seed=rank).to(device)
+    cls, hp = OPTIMIZERS[optimizer]
+    opt = AccoOptimizer(
+        model, cls, mode=mode, max_grad_norm=0.5, param_dtype=param_dtype,
+        reduce_dtype=torch.float32 if param_dtype else None, timeout=TIMEOUT, **hp,
+    )
+    committed = []
+    for r in range(rounds):
+        for i in range(2 + (r + rank) % 2):
+            x, y = micro_batch(r, rank, i)
+            x, y = x.to(device, param_dtype or torch.float32), y.to(device, param_dtype or torch.float32)
+            loss_fn(model, x, y).backward()
+            weight = float(1 + i + rank)
+            opt.accumulate(weight=torch.tensor(weight, device=device) if device == "cuda" else weight)
+        committed.append(opt.step())
+    committed.append(opt.finish())
+    masters = [g.master.dtype for g in opt._groups]
+    return {
+        "params": {k: v.float().cpu() for k, v in params_of(model).items()},
+        "committed": committed,
+        "norms": [s.grad_norm for s in opt.round_stats],
+        "master_dtypes": masters,
+    }
+
+
+def assert_same_run(cuda: dict, cpu: dict, tol: float) -> None:
+    assert cuda["committed"] == cpu["committed"]
+    for name, value in cpu["params"].items():
+        torch.testing.assert_close(cuda["params"][name], value, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.tensor(cuda["norms"]), torch.tensor(cpu["norms"]), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_cuda_equals_cpu_at_world_size_one(mode, optimizer):
+    assert_same_run(train("cuda", mode, optimizer), train("cpu", mode, optimizer), 1e-5)
+
+
+def test_bf16_parameters_with_an_fp32_master_on_cuda_follow_the_cpu():
+    cuda = train("cuda", "acco", "adamw", param_dtype=torch.bfloat16)
+    cpu = train("cpu", "acco", "adamw", param_dtype=torch.bfloat16)
+    assert cuda["master_dtypes"] == [torch.float32]
+    assert_same_run(cuda, cpu, 2e-2)  # bf16 forward/backward rounding differs between devices
+
+
+@pytest.fixture(scope="module")
+def gloo_pair():
+    from tests.ranks import RankPool
+
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mode):
+    cuda = gloo_pair.run(train, "cuda", mode, "adamw")
+    cpu = gloo_pair.run(train, "cpu", mode, "adamw")
+    for name in cuda[0]["params"]:
+        assert torch.equal(cuda[0]["params"][name], cuda[1]["params"][name]), f"{name} differs across ranks"
+    for rank in range(2):
+        assert_same_run(cuda[rank], cpu[rank], 1e-5)
+
+
+def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair):
+    cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, torch.bfloat16)
+    cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, torch.bfloat16)
+    for name in cuda[0]["params"]:
+        assert torch.equal(cuda[0]["params"][name], cuda[1]["params"][name]), f"{name} differs across ranks"
+    assert_same_run(cuda[0], cpu[0], 2e-2)
+
+
+# --------------------------------------------------------- NCCL on the lane's thread
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+               "all_gather_into_tensor")
+
+
+def nccl_alone(port: int, mode: str) -> dict:
+    """One NCCL rank, the lane's collectives forced on; which threads issued them."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    threads: dict[str, set[str]] = {}
+    for name in COLLECTIVES:
+        if not hasattr(dist, name):
+            continue  # e.g. reduce_scatter_single before torch 2.13
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            threads.setdefault(_name, set()).add(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    try:
+        model = make_model().cuda()
+        cls, hp = OPTIMIZERS["adamw"]
+        opt = AccoOptimizer(model, cls, mode=mode, max_grad_norm=0.5, timeout=TIMEOUT, **hp)
+        opt._lane_comm.communicate_alone = True
+        for r in range(6):
+            for i in range(2):
+                x, y = micro_batch(r, 0, i)
+                loss_fn(model, x.cuda(), y.cuda()).backward()
+                opt.accumulate(weight=torch.tensor(float(1 + i), device="cuda"))
+            opt.step()
+        opt.finish()
+        return {"params": {k: v.cpu() for k, v in params_of(model).items()}, "threads": threads,
+                "nccl": str(torch.cuda.nccl.version())}
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_alone(mode: str) -> dict:
+    model = make_model()
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, mode=mode, max_grad_norm=0.5, timeout=TIMEOUT, **hp)
+    for r in range(6):
+        for i in range(2):
+            loss_fn(model, *micro_batch(r, 0, i)).backward()
+            opt.accumulate(weight=float(1 + i))
+        opt.step()
+    opt.finish()
+    return {"params": params_of(model)}
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available()), reason="needs NCCL")
+@pytest.mark.parametrize("mode", ["dpu", "acco"])
+def test_nccl_collectives_run_on_the_lane_thread(mode):
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        result = pool.submit(nccl_alone, free_port(), mode).result(timeout=150)
+    threads = result["threads"]
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        used = set().union(*(names for name, names in threads.items() if name.startswith(kind)))
+        assert used == {"acco-comm-lane"}, threads  # every lane collective, from the worker
+    expected = cpu_alone(mode)["params"]
+    for name, value in expected.items():
+        torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-5)
