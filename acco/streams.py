@@ -24,9 +24,11 @@ worker, which drops it only after synchronising its own stream.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -162,6 +164,12 @@ class CudaHooks:
     """Hooks for CUDA tensors: a side stream on the worker, ordered by events."""
 
     def __init__(self, device: torch.device) -> None:
+        if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            warnings.warn(
+                "CUDA_DEVICE_MAX_CONNECTIONS=1: all streams share one hardware queue, so the comm lane's "
+                "kernels (an NCCL kernel waiting for a slow rank included) can hold up the compute stream",
+                stacklevel=3,
+            )
         self.device = device
         # High priority, as FSDP2's communication streams: the lane's small update kernels
         # and NCCL launches must not queue behind long compute kernels.

@@ -35,7 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, REPO_ROOT, ModelConfig, build_model, launch, read_json, write_json  # noqa: E402
+from common import RESULTS_DIR, ModelConfig, build_model, launch, read_json, write_json  # noqa: E402
+from report import gpu_table  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -103,8 +104,8 @@ def run_method(method: str, rounds: int, per_round: int, device: torch.device, w
             in_flight = not opt.ready()
             started = time.perf_counter()
             opt.step()
-            if step_times is not None and in_flight:
-                step_times.append(time.perf_counter() - started)
+            if step_times is not None:
+                step_times.append((time.perf_counter() - started, in_flight))
 
     for _ in range(3):  # warm-up: kernels, the lane thread, optimizer state
         one_round(None)
@@ -137,10 +138,12 @@ def run_method(method: str, rounds: int, per_round: int, device: torch.device, w
     if opt is not None:
         opt.finish()
         stats = list(opt.round_stats)[-rounds:]
+        busy = [t for t, in_flight in step_times if in_flight]
         result.update(
-            step_ms_median=1000 * statistics.median(step_times) if step_times else None,
-            step_ms_p90=1000 * sorted(step_times)[int(0.9 * (len(step_times) - 1))] if step_times else None,
-            steps_with_round_in_flight=len(step_times),
+            step_ms_median=1000 * statistics.median(t for t, _ in step_times),
+            step_ms_in_flight_median=1000 * statistics.median(busy) if busy else None,
+            step_ms_in_flight_max=1000 * max(busy) if busy else None,
+            steps_with_round_in_flight=len(busy),
             hidden_share=statistics.fmean(s.hidden_share for s in stats),
             lane_ms=1000 * statistics.median(s.lane_seconds for s in stats),
             gpu_wait_ms=1000 * statistics.median(s.wait_seconds for s in stats),
@@ -209,16 +212,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| world size | method | samples/s | vs no optimizer | step() ms median / p90 (round in flight) "
-             "| hidden share (GPU) | max allocated MB |", "|---|---|---|---|---|---|---|"]
-    for run in runs:
-        base = next(r for r in run["methods"] if r["method"] == "none")["samples_per_s"]
-        for r in run["methods"]:
-            step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.2f} / {r['step_ms_p90']:.2f}"
-            hidden = "-" if "hidden_share" not in r else f"{r['hidden_share']:.2f}"
-            lines.append(f"| {run['world_size']} | {r['method']} | {r['samples_per_s']:.0f} | "
-                         f"{r['samples_per_s'] / base:.2f} | {step} | {hidden} | {r['max_memory_allocated_mb']:.0f} |")
-    return "\n".join(lines)
+    return gpu_table(runs)
 
 
 def main(argv: list[str] | None = None) -> None:

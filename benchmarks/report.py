@@ -417,6 +417,56 @@ def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], 
     return table(["target", "measured", ""], rows)
 
 
+def gpu_table(runs: list[dict[str, Any]]) -> str:
+    """``gpu_overlap.py``'s figures: one row per world size and method."""
+    rows = []
+    for run in runs:
+        base = next(r for r in run["methods"] if r["method"] == "none")["samples_per_s"]
+        for r in run["methods"]:
+            if r["method"] == "none":
+                rows.append([str(run["world_size"]), "no optimizer (forward + backward only)", f"{r['samples_per_s']:.0f}",
+                             "1.00", "-", "-", "-", f"{r['max_memory_allocated_mb']:.0f}"])
+                continue
+            busy = r.get("step_ms_in_flight_median")
+            in_flight = "-" if busy is None else (
+                f"{busy:.2f} / {r['step_ms_in_flight_max']:.2f} ({r['steps_with_round_in_flight']} steps)")
+            rows.append([
+                str(run["world_size"]), r["method"], f"{r['samples_per_s']:.0f}", f"{r['samples_per_s'] / base:.2f}",
+                f"{r['step_ms_median']:.2f}", in_flight, f"{r['hidden_share']:.2f}", f"{r['max_memory_allocated_mb']:.0f}",
+            ])
+    return table(["world size", "method", "samples/s", "vs no optimizer", "step() ms, median",
+                  "step() ms with the round in flight, median / max", "hidden share (GPU time)",
+                  "max allocated MiB"], rows)
+
+
+def gpu_section(data: dict) -> str:
+    run = data["runs"][0]
+    config = run["config"]
+    streams = []
+    for r in data["runs"]:
+        info = r["streams"]
+        lane = {s: v for s, v in info["streams"].items() if int(s) != info["compute_stream"] and v["kernels"] > 10}
+        for stream, v in lane.items():
+            streams.append(f"world size {r['world_size']}: the lane's stream ran {v['kernels']} kernels for "
+                           f"{1000 * v['busy_s']:.1f} ms in the profiled rounds, {1000 * v['overlapped_with_compute_s']:.1f} ms "
+                           f"of it while the compute stream was busy (compute stream: "
+                           f"{1000 * info['streams'][str(info['compute_stream'])]['busy_s']:.0f} ms); trace: "
+                           f"[results/{r['trace']}](results/{r['trace']})")
+    return (
+        f"{run['device']}, torch {run['torch']}; the example's GPT ({config['n_layer']} layers, width "
+        f"{config['n_embd']}, {run['methods'][0]['parameters_m']:.1f}M parameters), {config['batch_size']} x "
+        f"{config['seq_len']} tokens per micro-batch, {run['micro_batches_per_round']} micro-batches per round "
+        f"(`acco-ready`: and more while the round is in flight), AdamW, clipping at {config['max_grad_norm']}, "
+        f"{run['rounds']} measured rounds. World size 2 = two ranks on the one GPU, gloo on CUDA tensors.
+
+"
+        + gpu_table(data["runs"]) + "
+
+" + "
+".join(f"- {line}" for line in streams)
+    )
+
+
 def runtimes_section(**datas: Any) -> str:
     rows = []
     for name, data in datas.items():
@@ -462,6 +512,9 @@ def main(argv: list[str] | None = None) -> None:
         blocks["memory"] = memory_section(memory)
     if profiles:
         blocks["profile"] = "\n\n".join(profile_section(p) for p in profiles)
+    gpu = load("gpu_overlap")
+    if gpu:
+        blocks["gpu"] = gpu_section(gpu)
     blocks["targets"] = targets_section(list(sweeps.values()), convergence_runs, memory)
     blocks["runtimes"] = runtimes_section(**sweeps, convergence=convergence, memory=memory,
                                           **{f"profile_lanes ({p['ranks']} ranks)": p for p in profiles})
