@@ -360,6 +360,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._round = _Weights()  # since the last hand-over: this round's
         self._closed = False
         self._failure: BaseException | None = None
+        self._failed: _Round | None = None
         self.num_updates = 0
         self.skipped_updates = 0
         self.committed_weight = 0.0
@@ -466,7 +467,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._closed = True
         # The worker holds what a dropped round may still read on the device (hand-over
         # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
-        self._lane.close(keep=(self._in_flight, self._groups, self._base))
+        self._lane.close(keep=(self._in_flight, self._failed, self._groups, self._base))
         self._in_flight = None
 
     def __enter__(self) -> AccoOptimizer:
@@ -563,6 +564,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             with record_function("acco.wait"):
                 stats = round_.future.result(timeout=_wait_seconds(self.timeout))
         except FutureTimeoutError:
+            self._failed = round_  # its device work may still read its tensors: see close()
             self._failure = TimeoutError(
                 f"{round_.kind.value} round {round_.stats.index} still running on the comm lane after "
                 f"{_wait_seconds(self.timeout):.0f}s (phase: {round_.stats.phase}); another rank may be "
@@ -570,6 +572,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             )
             raise self._failure from None
         except BaseException as error:
+            self._failed = round_
             self._failure = error
             raise
         stats._stamps.update(wait_start=started, wait_end=self._lane.hooks.stamp())
