@@ -457,13 +457,8 @@ def gpu_section(data: dict) -> str:
         f"{config['n_embd']}, {run['methods'][0]['parameters_m']:.1f}M parameters), {config['batch_size']} x "
         f"{config['seq_len']} tokens per micro-batch, {run['micro_batches_per_round']} micro-batches per round "
         f"(`acco-ready`: and more while the round is in flight), AdamW, clipping at {config['max_grad_norm']}, "
-        f"{run['rounds']} measured rounds. World size 2 = two ranks on the one GPU, gloo on CUDA tensors.
-
-"
-        + gpu_table(data["runs"]) + "
-
-" + "
-".join(f"- {line}" for line in streams)
+        f"{run['rounds']} measured rounds. World size 2 = two ranks on the one GPU, gloo on CUDA tensors.\n\n"
+        + gpu_table(data["runs"]) + "\n\n" + "\n".join(f"- {line}" for line in streams)
     )
 
 
