@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from acco.quantize import check_estimate_dtype
 from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.streams import LaneFuture, Stamp, make_lane
 
@@ -254,6 +255,16 @@ class AccoOptimizer(torch.optim.Optimizer):
             round's one small all-reduce.
         timeout: limit for each comm-lane collective and for every wait on the lane
             (default 10 minutes): a dead or stuck rank makes the others raise within it.
+        estimate_dtype: ``acco`` mode only: make the estimate rounds lighter on the wire.
+            Their reduce-scatter sends the gradients in this dtype and their all-gather
+            sends the look-ahead's delta ``theta~(t+1) - theta(t)`` in it (float8 types:
+            with one scale per rank's chunk), every rank adding the delta to the committed
+            parameters it holds. Commit rounds are unchanged and exact: the committed update
+            still uses the full-precision gradients of both rounds; only the point where the
+            commit round's gradients are taken moves, by the rounding of the delta. With
+            ``torch.bfloat16`` an update moves 1.5x the bytes of a ZeRO-1 update instead of
+            2x; with ``torch.float8_e4m3fn`` 1.25x. Default None: estimate rounds travel like
+            commit rounds.
         **defaults: hyper-parameters of the base optimizer (``lr=...``), the defaults of
             every param group. A group dict may name its own ``optimizer_class`` (e.g.
             ``torch.optim.Muon`` for hidden matrices) and ``layout``; such a group takes its
@@ -290,6 +301,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         nonfinite: NonFinite | str = NonFinite.RAISE,
         timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+        estimate_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -305,8 +317,16 @@ class AccoOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"Invalid {name}: {dtype!r} (a floating torch.dtype, or None)")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
+        if estimate_dtype is not None and self.mode is not Mode.ACCO:
+            raise ValueError(
+                f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {self.mode.value!r} has no estimate rounds)"
+            )
         groups = [_with_group_optimizer(g, optimizer_class, self.layout) for g in _trainable_groups(params)]
         base_defaults = _probe_defaults(optimizer_class, defaults)
+        if estimate_dtype is not None:
+            for g in groups:
+                check_estimate_dtype(estimate_dtype, reduce_dtype or param_dtype or g["params"][0].dtype)
+        self.estimate_dtype = estimate_dtype
         self.optimizer_class = optimizer_class
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.timeout = timeout
@@ -335,7 +355,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         # Collectives from here on, on the user's group, before the lane exists.
         fingerprint = "|".join(
-            [self.mode.value, self.nonfinite.value, str(self.max_grad_norm)]
+            [self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype)]
             + [f"{g['optimizer_class'].__qualname__}:{s.fingerprint()}" for g, s in zip(self.param_groups, self._groups)]
         )
         if not self._comm.same_on_all_ranks(fingerprint):
@@ -628,9 +648,13 @@ class AccoOptimizer(torch.optim.Optimizer):
                 totals = local.clone()
                 self._lane_comm.all_reduce_sum_(totals)
                 read_totals = hooks.host_copy(totals)
+            light = round_.kind is RoundKind.ESTIMATE and self.estimate_dtype is not None
             with self._phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
-                    self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
+                    if light:
+                        self._lane_comm.reduce_scatter_quantized(group.grad_shard, grads, self.estimate_dtype)
+                    else:
+                        self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
             with self._phase(stats, "weights"):
                 limit = self.timeout.total_seconds()
                 _, stats.local_weight, _, _, _ = read_local(limit).tolist()
@@ -664,7 +688,12 @@ class AccoOptimizer(torch.optim.Optimizer):
                         group.gather_input.copy_(group.master)
             with self._phase(stats, "all-gather"):
                 for group in self._groups:
-                    self._lane_comm.all_gather(group.gathered, group.gather_input)
+                    if light:
+                        # The delta from the committed shard, which every rank holds in full.
+                        delta = group.gather_input.to(group.master_dtype).sub_(group.master)
+                        group.gather_from_delta(*self._lane_comm.all_gather_quantized(delta, self.estimate_dtype))
+                    else:
+                        self._lane_comm.all_gather(group.gathered, group.gather_input)
         except Exception as error:
             raise CommLaneError(
                 f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from acco.quantize import dequantize_row, needs_scale, quantize_rows
+
 __all__ = [
     "Collectives",
     "Layout",
@@ -232,6 +234,16 @@ class ShardedGroup:
                 else:
                     param.data = value.to(self.param_dtype)
 
+    def gather_from_delta(self, rows: Tensor, scales: Tensor) -> None:
+        """``gathered`` = the live parameters + every rank's dequantized delta (row ``r``:
+        rank ``r``'s chunk). For the light estimate round, whose live parameters are the
+        committed ones on every rank; one chunk-sized fp32 temporary at a time."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._views(self.gathered), [p.detach() for p in self.params])
+        chunks = self.gathered.view(self.plan.world_size, -1)
+        for chunk, row, scale in zip(chunks, rows, scales):
+            chunk.copy_(dequantize_row(row, scale).add_(chunk))
+
     def load_params_from_buffer(self) -> None:
         """Copy ``gathered`` into the live parameters: the only write to them."""
         with torch.no_grad():
@@ -361,6 +373,43 @@ class Collectives:
             return
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(output, input, group=self.group)
+
+    def reduce_scatter_quantized(self, output: Tensor, input: Tensor, dtype: torch.dtype) -> None:
+        """As :meth:`reduce_scatter_sum`, the chunks travelling in ``dtype`` (one scale per
+        chunk for float8) and summed in fp32 on arrival; for the light estimate round.
+
+        An all-to-all of raw bytes: neither NCCL nor gloo reduces float8.
+        """
+        if not self.active:
+            output.copy_(input[: output.numel()])  # nothing travels: nothing to make lighter
+            return
+        payload, scales = quantize_rows(input.view(self.world_size, -1), dtype)
+        received = torch.empty_like(payload)
+        dist.all_to_all_single(received.view(torch.uint8), payload.view(torch.uint8), group=self.group)
+        received_scales = scales
+        if needs_scale(dtype):
+            received_scales = torch.empty_like(scales)
+            dist.all_to_all_single(received_scales, scales, group=self.group)
+        total = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+        for row, scale in zip(received, received_scales):
+            total.add_(dequantize_row(row, scale))
+        output.copy_(total)
+
+    def all_gather_quantized(self, input: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every rank's ``input`` in ``dtype``: (payloads, one row per rank; fp32 scales).
+
+        Dequantize row ``r`` with :func:`acco.quantize.dequantize_row` and scale ``r``.
+        """
+        if not self.active:
+            return input.view(1, -1), torch.ones(1, dtype=torch.float32, device=input.device)
+        payload, scales = quantize_rows(input.view(1, -1), dtype)
+        rows = torch.empty((self.world_size, input.numel()), dtype=dtype, device=input.device)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(rows.view(torch.uint8).view(-1), payload.view(torch.uint8).view(-1), group=self.group)
+        all_scales = torch.ones(self.world_size, dtype=torch.float32, device=input.device)
+        if needs_scale(dtype):
+            all_gather(all_scales, scales, group=self.group)
+        return rows, all_scales
 
     def _runs_on_gloo(self, tensor: Tensor) -> bool:
         # A group made without a backend name serves CPU tensors with gloo ("cpu:gloo,cuda:nccl").

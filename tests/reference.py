@@ -142,12 +142,16 @@ def dpu_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Seque
 
 
 def acco_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequence[RoundData],
-                   max_norm: float | None = None, on_update: UpdateHook | None = None) -> Params:
+                   max_norm: float | None = None, on_update: UpdateHook | None = None,
+                   estimates: Sequence[Params] | None = None) -> Params:
     """Per update t over rounds 2t (estimate) and 2t+1 (commit):
 
     g~(t) at theta~(t) (theta~(0) = theta(0)), theta~(t+1) = Opt(theta(t), g~(t)) on a copy;
     g(t) at theta(t); theta(t+1) = Opt(theta(t), g~(t) + g(t)) weighted over both rounds.
     A trailing estimate round without its commit is dropped.
+
+    ``estimates``: the look-ahead points actually used (e.g. decompressed from a light
+    estimate round); ``estimates[t]`` replaces the computed theta~(t+1).
     """
     ref = Reference(init, optimizer, max_norm)
     estimate = ref.params()
@@ -155,6 +159,8 @@ def acco_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequ
         grad_estimate, weight_estimate = ref.weighted_grad_sum(estimate, rounds[2 * t])
         _hook(on_update, t, ref, "estimate")
         next_estimate = ref.estimate(_scale(grad_estimate, weight_estimate))
+        if estimates is not None and t < len(estimates):
+            next_estimate = estimates[t]
         grad, weight = ref.weighted_grad_sum(ref.params(), rounds[2 * t + 1])
         _hook(on_update, t, ref, "commit")
         ref.apply(_scale(_add(grad_estimate, grad), weight_estimate + weight))
