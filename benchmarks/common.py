@@ -62,9 +62,12 @@ __all__ = [
 ]
 
 # Every method the benchmarks know, in the order tables list them.
-METHODS = ("roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww")
+METHODS = ("roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww", "acco-bf16", "acco-fp8")
 BASELINES = ("roofline", "ddp-zero1", "ddp-adamw")
-ACCO_METHODS = {"acco-sync": "sync", "acco-dpu": "dpu", "acco": "acco", "acco-aww": "acco"}
+ACCO_METHODS = {"acco-sync": "sync", "acco-dpu": "dpu", "acco": "acco", "acco-aww": "acco", "acco-bf16": "acco",
+                "acco-fp8": "acco"}
+# acco with the light estimate round (AccoOptimizer's estimate_dtype=).
+ESTIMATE_DTYPES = {"acco-bf16": torch.bfloat16, "acco-fp8": torch.float8_e4m3fn}
 LABELS = {
     "roofline": "compute only (roofline)",
     "ddp-zero1": "DDP + ZeroRedundancyOptimizer (ZeRO-1)",
@@ -73,6 +76,8 @@ LABELS = {
     "acco-dpu": "acco, mode dpu",
     "acco": "acco, mode acco",
     "acco-aww": "acco, accumulate while communicating",
+    "acco-bf16": "acco, mode acco, bf16 estimate round",
+    "acco-fp8": "acco, mode acco, float8 estimate round",
 }
 
 
@@ -209,6 +214,7 @@ class AccoMethod(Method):
             betas=config.betas,
             max_grad_norm=config.max_grad_norm,
             timeout=datetime.timedelta(minutes=5),
+            estimate_dtype=ESTIMATE_DTYPES.get(name),
         )
 
     def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from acco import AccoOptimizer, RoundKind
 from examples.train_gpt import WarmupCosine, eval_batches, evaluate, loss_fn
 from examples.train_gpt import parse_args as example_defaults
 
-METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1")
+METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1", "acco-bf16", "acco-fp8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

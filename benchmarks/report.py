@@ -196,6 +196,7 @@ def plot_throughput(data: dict, stem: str = "throughput") -> str:
 
 
 CONVERGENCE_LABELS = {"acco-sync": "acco `sync` (ZeRO-1 in acco)", "acco": "acco `acco`", "acco-dpu": "acco `dpu`",
+                      "acco-bf16": "acco `acco`, bf16 estimate round", "acco-fp8": "acco `acco`, float8 estimate round",
                       "ddp-zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer)"}
 
 
