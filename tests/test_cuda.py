@@ -137,14 +137,15 @@ def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second):
 # ------------------------------------------------------------------- parity with CPU
 
 
-def train(device: str, mode: str, optimizer: str, rounds: int = 6, param_dtype: torch.dtype | None = None) -> dict:
+def train(device: str, mode: str, optimizer: str, rounds: int = 6, param_dtype: torch.dtype | None = None,
+          estimate_dtype: torch.dtype | None = None) -> dict:
     """A run with clipping and unequal weights (tensors on ``device``); params on the CPU."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = make_model(seed=rank).to(device)
     cls, hp = OPTIMIZERS[optimizer]
     opt = AccoOptimizer(
         model, cls, mode=mode, max_grad_norm=0.5, param_dtype=param_dtype,
-        reduce_dtype=torch.float32 if param_dtype else None, timeout=TIMEOUT, **hp,
+        reduce_dtype=torch.float32 if param_dtype else None, timeout=TIMEOUT, estimate_dtype=estimate_dtype, **hp,
     )
     committed = []
     for r in range(rounds):
@@ -200,6 +201,14 @@ def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mo
     cpu = gloo_pair.run(train, "cpu", mode, "adamw")
     for name in cuda[0]["params"]:
         assert torch.equal(cuda[0]["params"][name], cuda[1]["params"][name]), f"{name} differs across ranks"
+    for rank in range(2):
+        assert_same_run(cuda[rank], cpu[rank], 1e-5)
+
+
+@pytest.mark.parametrize("estimate_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gloo_on_cuda_tensors_light_estimate_equals_cpu(gloo_pair, estimate_dtype):
+    cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, None, estimate_dtype)
+    cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, None, estimate_dtype)
     for rank in range(2):
         assert_same_run(cuda[rank], cpu[rank], 1e-5)
 
