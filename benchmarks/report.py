@@ -2,8 +2,8 @@
 
     python benchmarks/report.py
 
-Reads ``results/{throughput,throughput-*,convergence,memory,profile-2ranks,profile-4ranks}.json``
-(whichever exist),
+Reads ``results/{throughput,throughput-*,convergence,memory,profile-2ranks,profile-4ranks,
+time_to_loss}.json`` (whichever exist),
 writes ``results/*.png`` and replaces the blocks between ``<!-- BEGIN GENERATED: name -->``
 and ``<!-- END GENERATED: name -->`` in the README. Nothing in those blocks is typed by hand.
 """
@@ -355,10 +355,274 @@ def profile_section(data: dict) -> str:
     return text
 
 
+# --------------------------------------------------------------------------- time to loss
+
+TTL_ORDER = ("ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-bf16", "acco-fp8", "acco-aww",
+             "acco-aww-bf16", "acco-aww-fp8", "diloco-h10", "diloco-h50")
+TTL_LABELS = {
+    "ddp-zero1": "DDP + ZeRO-1 (ZeroRedundancyOptimizer)",
+    "ddp-adamw": "DDP + AdamW",
+    "acco-sync": "acco `sync`",
+    "acco-dpu": "acco `dpu`",
+    "acco": "acco `acco`, fixed loop",
+    "acco-bf16": "acco `acco`, fixed loop, bf16 estimate",
+    "acco-fp8": "acco `acco`, fixed loop, fp8 (e4m3) estimate",
+    "acco-aww": "acco `acco`, `ready()` loop",
+    "acco-aww-bf16": "acco `acco`, `ready()` loop, bf16 estimate",
+    "acco-aww-fp8": "acco `acco`, `ready()` loop, fp8 (e4m3) estimate",
+    "diloco-h10": "DiLoCo, H = 10",
+    "diloco-h50": "DiLoCo, H = 50",
+}
+TTL_BASELINE = "ddp-zero1"
+# The issue's bar: the best acco configuration reaches ZeRO-1's final loss within this share
+# of the budget.
+TTL_BAR = {"comm~compute": 0.6, "comm~3x": 0.4}
+
+
+def first_crossing(points: list[dict], target: float, key: str = "elapsed_s") -> float | None:
+    """The first ``key`` (time or updates) at which the loss curve reaches ``target``: linear
+    between the two evaluations around the crossing; None if it never does."""
+    for i, point in enumerate(points):
+        if point["loss"] > target:
+            continue
+        if i == 0:
+            return point[key]
+        before = points[i - 1]
+        drop = before["loss"] - point["loss"]
+        share = (before["loss"] - target) / drop if drop > 0 else 1.0
+        return before[key] + share * (point[key] - before[key])
+    return None
+
+
+def loss_at(points: list[dict], value: float, key: str = "updates") -> float | None:
+    """The loss curve at ``key`` = ``value`` (linear between evaluations); None past its end."""
+    for before, point in zip(points, points[1:]):
+        if before[key] <= value <= point[key]:
+            span = point[key] - before[key]
+            share = (value - before[key]) / span if span > 0 else 1.0
+            return before["loss"] + share * (point["loss"] - before["loss"])
+    return None
+
+
+def _median(values: list[float | None]) -> float | None:
+    """Median with None (not reached, not measured) as +infinity; None if that is the answer."""
+    if not values:
+        return None
+    finite = sorted(math.inf if v is None else v for v in values)
+    middle = statistics.median(finite)
+    return None if math.isinf(middle) else middle
+
+
+def time_to_loss_summary(data: dict) -> dict[str, Any]:
+    """Per rate and method: time to DDP + ZeRO-1's final held-out loss (fraction of the
+    budget, per seed, median), and what explains it (updates/s, micro-batches per update,
+    updates needed, loss at ZeRO-1's update count, bytes per update)."""
+    budget = data["config"]["budget_s"]
+    summary: dict[str, Any] = {}
+    by_label: dict[str, list[dict]] = {}
+    for run in data["runs"]:
+        by_label.setdefault(run["label"], []).append(run)
+    for label, runs in by_label.items():
+        targets = {}
+        for run in runs:
+            base = run["methods"].get(TTL_BASELINE, {})
+            if "points" in base:
+                targets[str(run["seed"])] = {"loss": base["final_loss"], "updates": base["updates"]}
+        methods: dict[str, Any] = {}
+        names = [n for n in TTL_ORDER if any(n in run["methods"] for run in runs)]
+        for name in names:
+            done = [run for run in runs if "points" in run["methods"].get(name, {})]
+            skipped = [run["methods"][name]["skipped"] for run in runs if "skipped" in run["methods"].get(name, {})]
+            entry: dict[str, Any] = {}
+            if skipped:
+                entry["skipped"] = skipped[0]
+            if not done:
+                methods[name] = entry
+                continue
+            fractions, updates_needed, loss_at_updates = [], [], []
+            for run in done:
+                m, target = run["methods"][name], targets.get(str(run["seed"]))
+                if target is None:
+                    continue
+                t = first_crossing(m["points"], target["loss"])
+                fractions.append(None if t is None else t / budget)
+                updates_needed.append(first_crossing(m["points"], target["loss"], key="updates"))
+                loss_at_updates.append(loss_at(m["points"], target["updates"]))
+
+            def per_seed(key: str) -> list[Any]:
+                return [run["methods"][name].get(key) for run in done]
+
+            entry.update(
+                seeds=[run["seed"] for run in done],
+                time_fraction=fractions,
+                median_time_fraction=_median(fractions),
+                reached=sum(f is not None for f in fractions),
+                updates_to_target=updates_needed,
+                loss_at_baseline_updates=loss_at_updates,
+                final_loss=per_seed("final_loss"),
+                median_final_loss=_median(per_seed("final_loss")),
+                end_s=per_seed("end_s"),
+            )
+            for key in ("updates_per_s", "samples_per_s", "micro_batches_per_update", "lo_bytes_per_update",
+                        "updates", "foreign_cpu_share"):
+                entry[key] = _median([v for v in per_seed(key) if v is not None])
+            first = done[0]["methods"][name]
+            for key in ("implementation", "sync_every", "lo_bytes_per_sync"):
+                if key in first:
+                    entry[key] = first[key]
+            methods[name] = entry
+        acco = {n: e for n, e in methods.items() if n.startswith("acco") and e.get("median_time_fraction") is not None}
+        best = min(acco, key=lambda n: acco[n]["median_time_fraction"]) if acco else None
+        summary[label] = {"rate": runs[0]["rate"], "targets": targets, "methods": methods, "best_acco": best}
+    return summary
+
+
+def _fraction_cell(entry: dict) -> str:
+    fractions = entry.get("time_fraction", [])
+    if not fractions:
+        return ""
+    shown = ["not reached" if f is None else f"{f:.2f}" for f in fractions]
+    if entry["median_time_fraction"] is None:
+        return f"not reached ({', '.join(shown)})" if len(shown) > 1 else "not reached"
+    if len(fractions) == 1:
+        return f"{fractions[0]:.2f}"
+    return f"**{entry['median_time_fraction']:.2f}** ({min(fractions):.2f}-{max(fractions):.2f})"
+
+
+def _spread(values: list[float | None], fmt: str) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    if len(present) == 1:
+        return format(present[0], fmt)
+    return f"{format(statistics.median(present), fmt)} ({format(min(present), fmt)}-{format(max(present), fmt)})"
+
+
+def time_to_loss_table(data: dict) -> str:
+    """One table per rate: time to ZeRO-1's final loss and what explains it."""
+    summary = data.get("summary") or time_to_loss_summary(data)
+    out = []
+    for label, s in summary.items():
+        header = ["method", "time to ZeRO-1's final loss (fraction of the budget)", "final held-out loss",
+                  "updates/s", "micro-batches per update", "updates to ZeRO-1's final loss",
+                  "loss at ZeRO-1's update count", "samples/s", "loopback MB per update"]
+        rows = []
+        for name, e in s["methods"].items():
+            if "final_loss" not in e:
+                rows.append([TTL_LABELS.get(name, name), f"not run: {e.get('skipped', '')}"] + [""] * (len(header) - 2))
+                continue
+            bytes_cell = f"{e['lo_bytes_per_update'] / 1e6:.2f}" if e.get("lo_bytes_per_update") else "-"
+            if e.get("lo_bytes_per_sync"):
+                bytes_cell += f" ({e['lo_bytes_per_sync'] / 1e6:.1f} per sync)"
+            rows.append([
+                TTL_LABELS.get(name, name),
+                _fraction_cell(e),
+                _spread(e["final_loss"], ".3f"),
+                f"{e['updates_per_s']:.2f}" if e.get("updates_per_s") is not None else "-",
+                f"{e['micro_batches_per_update']:.1f}" if e.get("micro_batches_per_update") else "-",
+                _spread(e["updates_to_target"], ".0f"),
+                _spread(e["loss_at_baseline_updates"], ".3f"),
+                f"{e['samples_per_s']:.1f}" if e.get("samples_per_s") is not None else "-",
+                bytes_cell,
+            ])
+        targets = ", ".join(f"seed {seed}: {t['loss']:.3f} after {t['updates']} updates"
+                            for seed, t in s["targets"].items())
+        out += [f"**{label} ({rate_text(s['rate'])})**: ZeRO-1's final held-out loss {targets}.", "",
+                table(header, rows), ""]
+    return "\n".join(out)
+
+
+def time_to_loss_section(data: dict) -> str:
+    cfg = data["config"]
+    summary = data.get("summary") or time_to_loss_summary(data)
+    diloco = cfg["diloco"]
+    implementation = (f"torchft {diloco['torchft']}'s `DiLoCo`" if diloco["implementation"] == "torchft"
+                      else "a plain implementation of DiLoCo (Douillard et al. 2023), not torchft")
+    intro = (
+        f"{cfg['ranks']} ranks, GPT of {cfg['parameters'] / 1e6:.2f}M parameters ({cfg['n_layer']} layers, width "
+        f"{cfg['n_embd']}, seq {cfg['seq_len']}, micro-batch {cfg['batch_size']}), {cfg['micro_batches_per_update']} "
+        f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
+        f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per method**, "
+        f"held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of training and at "
+        f"the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: {implementation}. "
+        f"Cells with a range: median (min-max) over the seeds."
+    )
+    out = [intro, "", time_to_loss_table(data)]
+    bar = []
+    for label, s in summary.items():
+        best = s.get("best_acco")
+        limit = TTL_BAR.get(label)
+        if best is None or limit is None:
+            continue
+        value = s["methods"][best]["median_time_fraction"]
+        bar.append(f"- {label}: the best acco configuration, {TTL_LABELS.get(best, best)}, reaches ZeRO-1's final "
+                   f"loss in {value:.2f} of the budget (bar: <= {limit}): {'met' if value <= limit else '**not met**'}.")
+    skipped = sorted({n for s in summary.values() for n, e in s["methods"].items() if "skipped" in e})
+    if skipped:
+        bar.append(f"- Not run: {', '.join(skipped)} ({next(iter(summary.values()))['methods'][skipped[0]]['skipped']}).")
+    return "\n".join(out + bar)
+
+
+def plot_time_to_loss(data: dict, stem: str = "time_to_loss", results_dir: Path | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = data.get("summary") or time_to_loss_summary(data)
+    budget = data["config"]["budget_s"]
+    labels = list(summary)
+    names = [n for n in TTL_ORDER if any("final_loss" in s["methods"].get(n, {}) for s in summary.values())]
+    colors = {n: plt.get_cmap("tab20")(i / max(1, len(TTL_ORDER) - 1)) for i, n in enumerate(TTL_ORDER)}
+    colors[TTL_BASELINE] = "black"
+    fig, axes = plt.subplots(1, len(labels) + 1, figsize=(6.5 * (len(labels) + 1), 5), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        runs = [r for r in data["runs"] if r["label"] == label]
+        for name in names:
+            for i, run in enumerate(runs):
+                m = run["methods"].get(name, {})
+                if "points" not in m:
+                    continue
+                ax.plot([p["elapsed_s"] for p in m["points"]], [p["loss"] for p in m["points"]],
+                        color=colors[name], lw=2 if name == TTL_BASELINE else 1.2, ls="-" if i == 0 else ":",
+                        marker="." if i == 0 else None, label=TTL_LABELS.get(name, name).replace("`", "") if i == 0 else None)
+        for seed, target in summary[label]["targets"].items():
+            ax.axhline(target["loss"], color="gray", lw=0.7, ls="--")
+        ax.axvline(budget, color="gray", lw=0.7)
+        ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss",
+               title=f"{label} ({rate_text(summary[label]['rate'])}); dotted: 2nd seed")
+        finals = [p["loss"] for r in runs for m in r["methods"].values() if "points" in m for p in m["points"][1:]]
+        if finals:
+            ax.set_ylim(min(finals) - 0.05, min(max(finals) + 0.1, data["runs"][0]["initial_loss"] + 0.1))
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    bars = axes[0][-1]
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        values = [summary[label]["methods"].get(n, {}).get("median_time_fraction") for n in names]
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(names))]
+        bars.bar(xs, [v if v is not None else 0 for v in values], width, label=label)
+        for x, v in zip(xs, values):
+            if v is None:
+                bars.text(x, 0.02, "not reached", rotation=90, fontsize=6, ha="center", va="bottom")
+        if label in TTL_BAR:
+            bars.axhline(TTL_BAR[label], color=f"C{j}", lw=0.8, ls="--")
+    bars.set_xticks(range(len(names)), [TTL_LABELS.get(n, n).replace("`", "") for n in names], rotation=70,
+                    ha="right", fontsize=7)
+    bars.set(ylabel="time to ZeRO-1's final loss / budget (median)", title="time to DDP + ZeRO-1's final loss")
+    bars.legend(fontsize=8)
+    fig.tight_layout()
+    path = (results_dir or RESULTS_DIR) / f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+
 # ---------------------------------------------------------------------------------- targets
 
 
-def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], memory: dict | None) -> str:
+def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], memory: dict | None,
+                    time_to_loss: dict | None = None) -> str:
     rows = []
 
     def add(target: str, measured: str, met: bool | None) -> None:
@@ -415,6 +679,18 @@ def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], 
             add(f"{run['ranks']} ranks: acco's optimizer state per rank = ceil(P/N) + padding",
                 f"{worst:,} elements per moment, ceil(P/N) = {ceil:,} (padding {worst - ceil:+,})",
                 0 <= worst - ceil < 2 * run["ranks"])
+    if time_to_loss:
+        summary = time_to_loss.get("summary") or time_to_loss_summary(time_to_loss)
+        for label, limit in TTL_BAR.items():
+            s = summary.get(label)
+            if s is None:
+                continue
+            best = s.get("best_acco")
+            value = s["methods"][best]["median_time_fraction"] if best else None
+            add(f"{label}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {limit} of "
+                "the same wall-clock budget (time_to_loss.py, median over seeds)",
+                f"{value:.2f} ({TTL_LABELS.get(best, best)})" if value is not None else "not reached",
+                value is not None and value <= limit)
     return table(["target", "measured", ""], rows)
 
 
@@ -472,6 +748,11 @@ def runtimes_section(**datas: Any) -> str:
         if name.startswith("throughput"):
             for run in data["runs"]:
                 rows.append([f"  {run['ranks']} ranks, {run['label']}", minutes(run["runtime_s"])])
+        if name == "time_to_loss":
+            if data.get("calibration_runtime_s"):
+                rows.append(["  calibration", minutes(data["calibration_runtime_s"])])
+            for run in data["runs"]:
+                rows.append([f"  {run['label']}, seed {run['seed']}", minutes(run["runtime_s"])])
     return table(["benchmark", "runtime (this machine, 2 cores)"], rows)
 
 
@@ -511,8 +792,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu = load("gpu_overlap")
     if gpu:
         blocks["gpu"] = gpu_section(gpu)
-    blocks["targets"] = targets_section(list(sweeps.values()), convergence_runs, memory)
-    blocks["runtimes"] = runtimes_section(**sweeps, convergence=convergence, memory=memory,
+    time_to_loss = load("time_to_loss")
+    if time_to_loss:
+        blocks["time_to_loss"] = (time_to_loss_section(time_to_loss)
+                                  + f"\n\n![time to loss](results/{plot_time_to_loss(time_to_loss)})")
+    blocks["targets"] = targets_section(list(sweeps.values()), convergence_runs, memory, time_to_loss)
+    blocks["runtimes"] = runtimes_section(**sweeps, convergence=convergence, memory=memory, time_to_loss=time_to_loss,
                                           **{f"profile_lanes ({p['ranks']} ranks)": p for p in profiles})
     text = README.read_text()
     for name, body in blocks.items():

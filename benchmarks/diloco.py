@@ -1,0 +1,222 @@
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105) for the benchmarks: the method a user
+with a slow network would otherwise pick.
+
+Two implementations behind one :class:`~common.Method` interface:
+
+- :class:`DiLoCoMethod`: a plain implementation of the published algorithm, written here.
+  Every rank runs the inner optimizer (AdamW) alone for ``sync_every`` (H) steps; then the
+  ranks all-reduce the parameter difference from the last synchronised parameters (the
+  "outer gradient"), average it, and apply the outer optimizer, SGD with Nesterov momentum
+  (0.9, lr 0.7 in the paper), to the synchronised parameters, which every rank then loads.
+  Each rank keeps its own inner optimizer state, as in the paper. One all-reduce of the
+  whole model per H inner steps, blocking; nothing is sharded.
+- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` (torchft 0.2.0) driven the same
+  way: each rank is a torchft replica group of one process, rank 0 runs torchft's lighthouse
+  in-process, and every synchronisation goes through torchft's quorum, its gloo all-reduce
+  of the pseudo-gradients and its commit vote, as it would for a user of torchft.
+
+In both, an inner step is one optimizer step over ``micro_batches_per_update`` micro-batches
+(the same micro-batches per step as every other method's update), and ``end_round()``
+returns True when the ranks have just synchronised: only then do all ranks hold the same
+parameters, so that is when the benchmarks evaluate. ``finish()`` puts the last
+synchronised parameters back into the model (the inner steps since then are local to each
+rank and are not a model anyone holds): a DiLoCo run stopped between two synchronisations
+has its last synchronised model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import Method, ModelConfig, build_model
+from torch import Tensor
+
+from examples.train_gpt import loss_fn, param_groups
+
+__all__ = ["DiLoCoMethod", "TorchftDiLoCoMethod", "torchft_version"]
+
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
+def torchft_version() -> str | None:
+    """torchft's version if it imports here, else None."""
+    try:
+        import importlib.metadata
+
+        import torchft  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        return importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _InnerLoop(Method):
+    """What both implementations share: the inner AdamW over an update's micro-batches, a
+    warm-up schedule per inner step, and gradient clipping as in the other methods."""
+
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+                 schedule: Callable[[int], float]) -> None:
+        if sync_every < 1:
+            raise ValueError(f"Invalid sync_every: {sync_every} (at least 1)")
+        self.name = name
+        self.model = build_model(config)
+        self.micro_batches_per_round = micro_batches_per_update
+        self.sync_every = sync_every
+        self.max_grad_norm = config.max_grad_norm
+        self.inner = torch.optim.AdamW(param_groups(self.model, config.weight_decay), lr=config.lr,
+                                       betas=config.betas)
+        # The inner lr follows the same warm-up as every other method's updates, per inner step.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
+        loss = loss_fn(self.model, x, y)
+        (loss / self.micro_batches_per_round).backward()
+        return loss.detach()
+
+    def _inner_step(self) -> None:
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.inner_steps += 1
+
+
+class DiLoCoMethod(_InnerLoop):
+    """A plain implementation of DiLoCo (see the module docstring), on the default group."""
+
+    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+                 schedule: Callable[[int], float]) -> None:
+        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        # Every rank built the same model from the same seed; rank 0's is broadcast anyway,
+        # as DDP and acco do, so the runs start from one model whatever happened before.
+        flat = torch.cat([p.detach().reshape(-1) for p in self._params])
+        if dist.is_initialized():
+            dist.broadcast(flat, src=0)
+        self._load(flat)
+        # The synchronised parameters (fp32) and their outer optimizer.
+        self.synced = [p.detach().clone() for p in self._params]
+        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+    def _load(self, flat: Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self._params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def end_round(self) -> bool:
+        self._inner_step()
+        if self.inner_steps % self.sync_every:
+            return False
+        self._synchronise()
+        return True
+
+    def _synchronise(self) -> None:
+        # One all-reduce of the whole outer gradient (synchronised minus local), flattened.
+        delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(self.synced, self._params)])
+        if dist.is_initialized():
+            dist.all_reduce(delta)
+            delta /= dist.get_world_size()
+        offset = 0
+        for s in self.synced:
+            s.grad = delta[offset : offset + s.numel()].view_as(s)
+            offset += s.numel()
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        self.outer_steps += 1
+
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+
+class TorchftDiLoCoMethod(_InnerLoop):
+    """``torchft.local_sgd.DiLoCo``, each rank its own replica group (see the module docstring).
+
+    Collective: every rank of the default group constructs it and calls ``close()``.
+    """
+
+    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+                 schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+        # torchft's Rust side logs every quorum at INFO unless told otherwise.
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.coordination import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+
+        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
+        # others through the default group's store-backed broadcast.
+        self._lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world) if rank == 0 else None
+        address = [self._lighthouse.address() if self._lighthouse is not None else None]
+        dist.broadcast_object_list(address, src=0)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        model = self.model
+
+        def load_state_dict(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["model"])
+
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=world,
+            load_state_dict=load_state_dict,
+            state_dict=lambda: {"model": model.state_dict()},
+            replica_id=f"rank{rank}",
+            store_addr="127.0.0.1",
+            store_port=self._store.port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=address[0],
+            hostname="127.0.0.1",
+            use_async_quorum=False,  # DiLoCo requires it
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+        )
+        self.outer = torch.optim.SGD(self.model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.diloco = DiLoCo(self.manager, [self.model], self.inner, self.outer, sync_every=sync_every)
+        self.diloco.__enter__()  # registers its hooks on the inner optimizer
+        self.synced = [p.detach().clone() for p in self._params]
+
+    def end_round(self) -> bool:
+        before = self.manager.current_step()  # counts committed synchronisations
+        self._inner_step()  # torchft synchronises in the inner optimizer's post-step hook
+        if self.manager.current_step() == before:
+            return False
+        self.outer_steps += 1
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                s.copy_(p)
+        return True
+
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def close(self) -> None:
+        """Leave torchft (collective: the lighthouse goes once every rank is done)."""
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+        dist.barrier()
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
