@@ -44,8 +44,15 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 
 
+def _quiet_torchft() -> None:
+    # torchft's Rust side logs every quorum at INFO unless told otherwise; it reads this
+    # when the extension loads, so before the first import.
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def torchft_version() -> str | None:
     """torchft's version if it imports here, else None."""
+    _quiet_torchft()
     try:
         import importlib.metadata
 
@@ -155,8 +162,7 @@ class TorchftDiLoCoMethod(_InnerLoop):
 
     def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
                  schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
-        # torchft's Rust side logs every quorum at INFO unless told otherwise.
-        os.environ.setdefault("RUST_LOG", "warn")
+        _quiet_torchft()
         from torchft import Manager, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo

@@ -7,7 +7,7 @@ root for the namespace), about 32 minutes on 2 cores:
 
     sudo $(which python) benchmarks/time_to_loss.py
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit   # skip calibration
-    sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 6 s each: about 7 minutes
+    sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 6 s each: about 6 minutes
 
 DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``; the
 ``torch==`` pin keeps pip from replacing the installed torch) when it imports, otherwise
@@ -37,9 +37,11 @@ the pause, for free.
 Stopping together. The ranks must end on the same round. At every round boundary each rank
 starts a non-blocking all-reduce (MAX) of its clock on the default process group, never on
 acco's lane, and reads the one it started at the previous boundary: every rank reads the
-same sequence of agreed clocks, so every rank takes the same decisions (evaluate, stop) at
-the same boundary, one round after the clock passed the mark, and no rank ever waits on
-that all-reduce while the link is busy.
+same sequence of agreed clocks, so every rank takes the same decisions at the same
+boundary, and no rank ever waits on that all-reduce while the link is busy. An evaluation
+falls due one boundary after the agreed clock passes its mark; training stops at the first
+boundary whose clock, extrapolated from the last two agreed clocks, is at or past the
+budget (so it overshoots by a fraction of a round, and every point is timed as it happened).
 
 Time to loss. For each seed, the target is DDP + ZeRO-1's final held-out loss; a method's
 time to it is the first time its held-out loss curve reaches it (linear between two
@@ -115,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--rates", nargs="+", default=None, metavar="RATE",
         help="tc rates for comm~compute then comm~3x (e.g. 440mbit 140mbit): skips calibration (driver)")
-    add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    add("--methods", nargs="+", default=list(METHODS), type=method_name, metavar="METHOD",
+        help=f"from {', '.join(METHODS)}; any diloco-hN (H = N)")
     add("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
     add("--eval-every", type=float, default=None, help="seconds between evaluations (default: budget / 8)")
@@ -136,13 +139,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", default=None, help="JSON output (default: benchmarks/results/time_to_loss.json)")
     add("--no-report", action="store_true", help="do not regenerate the README tables and plots (driver)")
     add("--quick", action="store_true",
-        help="1 seed, 6 s per method, results/time_to_loss-quick.json, no report: a smoke run of a few minutes")
+        help="1 seed, 6 s per method, 4 evaluations, results/time_to_loss-quick.json, no report: a smoke run "
+             "of about 6 minutes")
     # Set by the driver for its rank launches.
     add("--seed", type=int, default=None, help=argparse.SUPPRESS)
     add("--label", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.seeds, args.budget, args.no_report = args.seeds[:1], 6.0, True
+        args.eval_every = args.eval_every or args.budget / 4
         args.out = args.out or str(RESULTS_DIR / "time_to_loss-quick.json")
     if args.micro_batches < 2 or args.micro_batches % 2:
         parser.error("--micro-batches must be even (acco splits an update into two rounds)")
@@ -157,6 +162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.diloco == "torchft" and torchft_version() is None:
         parser.error("--diloco torchft: torchft does not import here (python -m pip install torchft torch==2.13.0)")
     return args
+
+
+def method_name(name: str) -> str:
+    if name in METHODS or (name.startswith("diloco-h") and name.removeprefix("diloco-h").isdigit()
+                           and int(name.removeprefix("diloco-h")) >= 1):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r} (choose from {', '.join(METHODS)}, or diloco-hN)")
 
 
 def model_config(args: argparse.Namespace, seed: int) -> ModelConfig:
@@ -269,6 +281,17 @@ class AgreedClock:
     def __init__(self) -> None:
         self._value = torch.zeros(1, dtype=torch.float64)
         self._work: Any = None
+        self.previous: float | None = None  # the agreed clock one boundary earlier
+
+    def budget_reached(self, agreed: float | None, budget: float) -> bool:
+        """Whether this boundary ends the budget: the first boundary whose clock is expected
+        at or past it, from the agreed clocks of the two previous boundaries (the same
+        numbers on every rank), so the overshoot is a fraction of a round, not two rounds."""
+        if agreed is None:
+            return False
+        last_round = agreed - self.previous if self.previous is not None else 0.0
+        self.previous = agreed
+        return agreed + last_round >= budget
 
     def exchange(self, elapsed: float) -> float | None:
         """Start agreeing on ``elapsed``; return the previous boundary's agreed clock (the
@@ -363,7 +386,7 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_d
             if scheduler is not None:
                 scheduler.step()
         agreed = agreed_clock.exchange(now)
-        if agreed is not None and agreed >= args.budget:
+        if agreed_clock.budget_reached(agreed, args.budget):
             break
         if agreed is not None and agreed >= next_eval:
             due = True
