@@ -193,6 +193,9 @@ class TorchftDiLoCoMethod(_InnerLoop):
             lighthouse_addr=address[0],
             hostname="127.0.0.1",
             use_async_quorum=False,  # DiLoCo requires it
+            # Every rank built the same model from the same seed. With init_sync, the first
+            # quorum would make one replica fetch the other's state over HTTP mid-run.
+            init_sync=False,
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
