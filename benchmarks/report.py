@@ -509,8 +509,7 @@ def time_to_loss_table(data: dict) -> str:
         rows = []
         for name, e in s["methods"].items():
             if "final_loss" not in e:
-                rows.append([TTL_LABELS.get(name, name), f"not run: {e.get('skipped', '')}"] + [""] * (len(header) - 2))
-                continue
+                continue  # not run: listed under the tables, with the reason
             bytes_cell = f"{e['lo_bytes_per_update'] / 1e6:.2f}" if e.get("lo_bytes_per_update") else "-"
             if e.get("lo_bytes_per_sync"):
                 bytes_cell += f" ({e['lo_bytes_per_sync'] / 1e6:.1f} per sync)"
@@ -557,13 +556,22 @@ def time_to_loss_section(data: dict) -> str:
         value = s["methods"][best]["median_time_fraction"]
         bar.append(f"- {label}: the best acco configuration, {TTL_LABELS.get(best, best)}, reaches ZeRO-1's final "
                    f"loss in {value:.2f} of the budget (bar: <= {limit}): {'met' if value <= limit else '**not met**'}.")
-    skipped = sorted({n for s in summary.values() for n, e in s["methods"].items() if "skipped" in e})
-    if skipped:
-        bar.append(f"- Not run: {', '.join(skipped)} ({next(iter(summary.values()))['methods'][skipped[0]]['skipped']}).")
+    skipped = {n: e["skipped"] for s in summary.values() for n, e in s["methods"].items() if "final_loss" not in e}
+    for name, reason in skipped.items():
+        bar.append(f"- Not run: {TTL_LABELS.get(name, name)}: {reason}.")
     return "\n".join(out + bar)
 
 
-def plot_time_to_loss(data: dict, stem: str = "time_to_loss", results_dir: Path | None = None) -> str:
+# Colour by family, line style by what travels in the estimate round.
+TTL_STYLES = {
+    "ddp-zero1": ("black", "-"), "ddp-adamw": ("0.55", "-"), "acco-sync": ("C0", "-"), "acco-dpu": ("C1", "-"),
+    "acco": ("C3", "-"), "acco-bf16": ("C3", "--"), "acco-fp8": ("C3", ":"),
+    "acco-aww": ("C2", "-"), "acco-aww-bf16": ("C2", "--"), "acco-aww-fp8": ("C2", ":"),
+    "diloco-h10": ("C4", "-"), "diloco-h50": ("C5", "-"),
+}
+
+
+def plot_time_to_loss(data: dict, stem: str = "time_to_loss") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -573,49 +581,53 @@ def plot_time_to_loss(data: dict, stem: str = "time_to_loss", results_dir: Path 
     budget = data["config"]["budget_s"]
     labels = list(summary)
     names = [n for n in TTL_ORDER if any("final_loss" in s["methods"].get(n, {}) for s in summary.values())]
-    colors = {n: plt.get_cmap("tab20")(i / max(1, len(TTL_ORDER) - 1)) for i, n in enumerate(TTL_ORDER)}
-    colors[TTL_BASELINE] = "black"
-    fig, axes = plt.subplots(1, len(labels) + 1, figsize=(6.5 * (len(labels) + 1), 5), squeeze=False)
-    for ax, label in zip(axes[0], labels):
+    fig = plt.figure(figsize=(7 * max(2, len(labels)), 10))
+    grid = fig.add_gridspec(2, max(2, len(labels)), height_ratios=[3, 2])
+    initial = max(r["initial_loss"] for r in data["runs"])
+    for column, label in enumerate(labels):
+        ax = fig.add_subplot(grid[0, column])
         runs = [r for r in data["runs"] if r["label"] == label]
         for name in names:
+            color, style = TTL_STYLES.get(name, ("C9", "-"))
             for i, run in enumerate(runs):
                 m = run["methods"].get(name, {})
                 if "points" not in m:
                     continue
-                ax.plot([p["elapsed_s"] for p in m["points"]], [p["loss"] for p in m["points"]],
-                        color=colors[name], lw=2 if name == TTL_BASELINE else 1.2, ls="-" if i == 0 else ":",
-                        marker="." if i == 0 else None, label=TTL_LABELS.get(name, name).replace("`", "") if i == 0 else None)
-        for seed, target in summary[label]["targets"].items():
+                ax.plot([p["elapsed_s"] for p in m["points"]], [p["loss"] for p in m["points"]], color=color, ls=style,
+                        lw=2 if name == TTL_BASELINE else 1.3, alpha=1.0 if i == 0 else 0.35,
+                        marker="." if i == 0 else None,
+                        label=TTL_LABELS.get(name, name).replace("`", "") if i == 0 else None)
+        for target in summary[label]["targets"].values():
             ax.axhline(target["loss"], color="gray", lw=0.7, ls="--")
         ax.axvline(budget, color="gray", lw=0.7)
+        losses = [p["loss"] for r in runs for m in r["methods"].values() if "points" in m for p in m["points"]]
+        ax.set_ylim(min(losses) - 0.05, initial + 0.05)
         ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss",
-               title=f"{label} ({rate_text(summary[label]['rate'])}); dotted: 2nd seed")
-        finals = [p["loss"] for r in runs for m in r["methods"].values() if "points" in m for p in m["points"][1:]]
-        if finals:
-            ax.set_ylim(min(finals) - 0.05, min(max(finals) + 0.1, data["runs"][0]["initial_loss"] + 0.1))
-    axes[0][0].legend(fontsize=7, loc="upper right")
-    bars = axes[0][-1]
+               title=f"{label} ({rate_text(summary[label]['rate'])}); faint: other seeds; dashed: ZeRO-1's final loss")
+        if column == 0:
+            ax.legend(fontsize=7, loc="upper right")
+    bars = fig.add_subplot(grid[1, :])
     width = 0.8 / max(1, len(labels))
     for j, label in enumerate(labels):
         values = [summary[label]["methods"].get(n, {}).get("median_time_fraction") for n in names]
         xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(names))]
-        bars.bar(xs, [v if v is not None else 0 for v in values], width, label=label)
+        bars.bar(xs, [v if v is not None else 0 for v in values], width, color=f"C{j}", label=label)
         for x, v in zip(xs, values):
             if v is None:
-                bars.text(x, 0.02, "not reached", rotation=90, fontsize=6, ha="center", va="bottom")
+                bars.text(x, 0.02, "not reached", rotation=90, fontsize=7, ha="center", va="bottom")
         if label in TTL_BAR:
             bars.axhline(TTL_BAR[label], color=f"C{j}", lw=0.8, ls="--")
-    bars.set_xticks(range(len(names)), [TTL_LABELS.get(n, n).replace("`", "") for n in names], rotation=70,
-                    ha="right", fontsize=7)
-    bars.set(ylabel="time to ZeRO-1's final loss / budget (median)", title="time to DDP + ZeRO-1's final loss")
+    bars.axhline(1.0, color="gray", lw=0.7)
+    bars.set_xticks(range(len(names)), [TTL_LABELS.get(n, n).replace("`", "") for n in names], rotation=20,
+                    ha="right", fontsize=8)
+    bars.set(ylabel="fraction of the budget (median over seeds)",
+             title="time to DDP + ZeRO-1's final held-out loss (dashed: the issue's bar at each rate)")
     bars.legend(fontsize=8)
     fig.tight_layout()
-    path = (results_dir or RESULTS_DIR) / f"{stem}.png"
-    fig.savefig(path, dpi=110)
+    path = RESULTS_DIR / f"{stem}.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path.name
-
 
 
 # ---------------------------------------------------------------------------------- targets
