@@ -546,6 +546,16 @@ def time_to_loss_section(data: dict) -> str:
         f"the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: {implementation}. "
         f"Cells with a range: median (min-max) over the seeds."
     )
+    calibration = data.get("calibration", {})
+    if calibration.get("targets"):
+        base = calibration["unlimited"]
+        rates = "; ".join(f"{label}: {rate_text(t['rate'])} (communication alone {t['comm_s_per_round'] * 1000:.0f} ms "
+                          f"per round, {t['ratio']:.2f} x compute)" for label, t in calibration["targets"].items())
+        intro += (f" Calibration: one acco round computes in {base['compute_s_per_round'] * 1000:.0f} ms and moves "
+                  f"{base['lo_bytes_per_round'] / 1e6:.1f} MB on the loopback; {rates}.")
+    elif data.get("rates"):
+        intro += " Rates given on the command line: " + ", ".join(
+            f"{label} {rate_text(rate)}" for label, rate in data["rates"].items()) + "."
     out = [intro, "", time_to_loss_table(data)]
     bar = []
     for label, s in summary.items():
