@@ -281,7 +281,7 @@ class AgreedClock:
     def __init__(self) -> None:
         self._value = torch.zeros(1, dtype=torch.float64)
         self._work: Any = None
-        self.previous: float | None = None  # the agreed clock one boundary earlier
+        self.previous = 0.0  # the agreed clock one boundary earlier (every clock starts after a barrier)
 
     def budget_reached(self, agreed: float | None, budget: float) -> bool:
         """Whether this boundary ends the budget: the first boundary whose clock is expected
@@ -289,7 +289,7 @@ class AgreedClock:
         numbers on every rank), so the overshoot is a fraction of a round, not two rounds."""
         if agreed is None:
             return False
-        last_round = agreed - self.previous if self.previous is not None else 0.0
+        last_round = agreed - self.previous
         self.previous = agreed
         return agreed + last_round >= budget
 
