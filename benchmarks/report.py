@@ -379,9 +379,16 @@ TTL_BASELINE = "ddp-zero1"
 TTL_BAR = {"comm~compute": 0.6, "comm~3x": 0.4}
 
 
+# Two runs of the same arithmetic (acco `sync` and ZeRO-1) differ by float reordering only:
+# a loss this close to the target has reached it.
+TTL_TOLERANCE = 1e-5
+
+
 def first_crossing(points: list[dict], target: float, key: str = "elapsed_s") -> float | None:
-    """The first ``key`` (time or updates) at which the loss curve reaches ``target``: linear
-    between the two evaluations around the crossing; None if it never does."""
+    """The first ``key`` (time or updates) at which the loss curve reaches ``target`` (within
+    ``TTL_TOLERANCE``): linear between the two evaluations around the crossing; None if it
+    never does."""
+    target += TTL_TOLERANCE
     for i, point in enumerate(points):
         if point["loss"] > target:
             continue
