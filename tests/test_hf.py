@@ -18,6 +18,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from transformers import TrainerCallback  # noqa: E402
+
 from tests.hf_ranks import run_fresh  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,17 +89,14 @@ def rank_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class Probe:
-    """A callback recording the parameters every evaluation sees."""
+class Probe(TrainerCallback):
+    """Records the parameters every evaluation sees."""
 
-    def __new__(cls, trainer_holder: dict):
-        from transformers import TrainerCallback
+    def __init__(self) -> None:
+        self.evaluated: dict[int, dict[str, torch.Tensor]] = {}
 
-        class _Probe(TrainerCallback):
-            def on_evaluate(self, args, state, control, model=None, **kwargs):
-                trainer_holder.setdefault("evaluated", {})[state.global_step] = params_of(model)
-
-        return _Probe()
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.evaluated[state.global_step] = params_of(model)
 
 
 # ----------------------------------------------------------------- rank functions
@@ -140,11 +139,11 @@ def acco_against_hand_loop(output_dir: str, mode: str) -> dict:
     from acco.integrations.hf import AccoTrainer
 
     examples = padded_examples()
-    holder: dict = {}
+    probe = Probe()
     args = training_args(output_dir, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=2,
                          per_device_eval_batch_size=4)
     trainer = AccoTrainer(model=tiny_llama(), args=args, train_dataset=examples, eval_dataset=examples[:8],
-                          callbacks=[Probe(holder)], acco_mode=mode)
+                          callbacks=[probe], acco_mode=mode)
     trainer.train()
 
     # The loop from the README, with the Trainer's optimizer, groups and schedule.
@@ -178,22 +177,19 @@ def acco_against_hand_loop(output_dir: str, mode: str) -> dict:
     saved = {step: load_file(f"{output_dir}/checkpoint-{step}/model.safetensors") for step in (2, 4)}
     return {
         "trainer": params_of(trainer.model), "loop": params_of(model), "committed": committed,
-        "evaluated": holder["evaluated"], "saved": saved, "trainer_lr": logged(trainer, "learning_rate"),
+        "evaluated": probe.evaluated, "saved": saved, "trainer_lr": logged(trainer, "learning_rate"),
         "loop_lr": lrs, "updates": trainer.acco_optimizer.num_updates, "eval_loss": logged(trainer, "eval_loss"),
         "scheduler_updates": trainer.lr_scheduler.updates,
     }
 
 
-class StopAt:
-    def __new__(cls, step: int):
-        from transformers import TrainerCallback
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
 
-        class _Stop(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == step:
-                    control.should_training_stop = True
-
-        return _Stop()
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
 
 
 def resume_args(output_dir: str):
@@ -215,21 +211,18 @@ def train_then_stop(output_dir: str) -> dict:
             "acco_files": sorted(p.name for p in Path(f"{output_dir}/stopped/checkpoint-3/acco").iterdir())}
 
 
-class SlowRank:
-    """Makes one rank slower per micro-batch, as a slower device would be."""
+class SlowRank(TrainerCallback):
+    """Makes one rank slower after each micro-batch, as a slower device would be."""
 
-    def __new__(cls, rank: int, seconds: float):
-        from transformers import TrainerCallback
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
 
-        class _Slow(TrainerCallback):
-            def on_substep_end(self, args, state, control, **kwargs):
-                if rank_info()[0] == rank:
-                    time.sleep(seconds)
+    def on_substep_end(self, args, state, control, **kwargs):
+        if rank_info()[0] == self.rank:
+            time.sleep(self.seconds)
 
-            def on_step_end(self, args, state, control, **kwargs):
-                self.on_substep_end(args, state, control)
-
-        return _Slow()
+    def on_step_end(self, args, state, control, **kwargs):
+        self.on_substep_end(args, state, control)
 
 
 def resume_then_accumulate_while_waiting(output_dir: str) -> dict:
@@ -259,7 +252,6 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
 
     from safetensors.torch import load_file
     from torch.utils.data import IterableDataset
-    from transformers import TrainerCallback
 
     from acco.integrations.hf import AccoTrainer
 
@@ -314,7 +306,11 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
     resumed = AccoTrainer(model=tiny_llama(seed=5), args=resume_args(f"{output_dir}/resumed"),
                           train_dataset=examples, callbacks=[Loaded()])
     resumed.train(resume_from_checkpoint=two_rank_checkpoint)
-    return {"rejected": messages, "plain_updates": plain.acco_optimizer.num_updates,
+
+    bf16 = AccoTrainer(model=tiny_llama(), args=training_args(f"{output_dir}/bf16", bf16=True, max_steps=2),
+                       train_dataset=examples)
+    bf16.train()
+    return {"bf16_loss": logged(bf16, "loss"), "bf16_dtypes": {p.dtype for p in bf16.model.parameters()},"rejected": messages, "plain_updates": plain.acco_optimizer.num_updates,
             "plain_loss": logged(plain, "loss"), "resumed_updates": resumed.acco_optimizer.num_updates,
             "committed_at_resume": seen["committed"],
             "checkpoint": load_file(f"{two_rank_checkpoint}/model.safetensors")}
@@ -398,6 +394,8 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
         assert message != "accepted", name
         assert name in message, (name, message)
     assert result["plain_updates"] == 4 and all(math.isfinite(x) for x in result["plain_loss"])
+    # bf16 autocast as with Trainer(bf16=True): fp32 parameters, the forward pass in bf16.
+    assert result["bf16_dtypes"] == {torch.float32} and all(math.isfinite(x) for x in result["bf16_loss"])
     # Resharded from 2 ranks to 1: the update in flight at the checkpoint is the committed
     # model saved beside it; training then goes on to the end.
     assert_params_close(result["committed_at_resume"], result["checkpoint"], rtol=0, atol=0)

@@ -18,7 +18,10 @@ length of the LR schedule count committed updates, as with ``Trainer``. In ``acc
 holds the acco estimate, or dpu's previous parameters); evaluation and checkpoints at step
 j call ``AccoOptimizer.eval()``, which waits for it and loads it, so they see exactly j
 committed updates, and the next training step calls ``AccoOptimizer.train()`` to put the
-live parameters back.
+live parameters back. Once the last step's evaluation and save are done, ``finish()`` lands
+the last update for good (before ``load_best_model_at_end`` loads anything). Logs do not wait
+for the update in flight: they report the learning rate of the step's update and the grad
+norm of the last update that has landed.
 
 What differs from ``Trainer`` under the hood, and why:
 
@@ -81,6 +84,7 @@ _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 # Names whose optimizer needs the model or its own train()/eval() (LOMO, schedule-free):
 # neither can run on a shard.
 _UNSHARDABLE_OPTIMIZERS = ("lomo", "adalomo", "schedule_free")
+_MAPPED_MODULES = ("torch.optim.", "transformers.optimization")
 
 
 class CommitScheduler:
@@ -172,9 +176,9 @@ class AccoTrainer(Trainer):
             already taken), ``torch_compile``, ``deepspeed``, ``fsdp``,
             ``parallelism_config``, ``auto_find_batch_size``, a metric-driven
             ``lr_scheduler_type``, an odd ``gradient_accumulation_steps`` in ``acco`` mode, an
-            ``optim`` that does not map to a torch optimizer class, more than one GPU per
-            process, a model already wrapped in DDP, or ``optimizers=(...)`` (acco builds its
-            own optimizer and schedule).
+            ``optim`` that does not map to a torch (or transformers) optimizer class, more than
+            one GPU per process, a model already wrapped in DDP, or ``optimizers=(...)`` (acco
+            builds its own optimizer and schedule).
 
     Example::
 
@@ -183,7 +187,7 @@ class AccoTrainer(Trainer):
         >>> trainer = AccoTrainer(model=model, args=args, train_dataset=train,
         ...                       eval_dataset=held_out, acco_mode="acco")
         >>> trainer.train()                      # torchrun --nproc_per_node=N script.py
-        >>> trainer.train(resume_from_checkpoint=True)  # exact, at any world size
+        >>> trainer.train(resume_from_checkpoint=True)  # exact; resharded at another world size
     """
 
     def __init__(
@@ -328,6 +332,15 @@ class AccoTrainer(Trainer):
                 cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
             except (ImportError, ValueError) as error:
                 raise ValueError(f"Invalid {what}: it does not map to a torch optimizer class here ({error})") from error
+            # Names that map to third-party classes (bitsandbytes, torchao, ...) keep state
+            # that is not known to survive sharding; such a class can still be passed with
+            # optimizer_cls_and_kwargs, at the caller's judgement.
+            if isinstance(cls, type) and not cls.__module__.startswith(_MAPPED_MODULES):
+                raise ValueError(
+                    f"Invalid {what}: it maps to {cls.__module__}.{cls.__qualname__}; AccoTrainer maps optim names to "
+                    "torch.optim classes (adamw_torch, adamw_torch_fused, sgd, adagrad, rmsprop) and transformers' "
+                    "Adafactor; pass another class with optimizer_cls_and_kwargs"
+                )
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"Invalid {what}: AccoTrainer needs a torch.optim.Optimizer subclass, not a factory")
         injected = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
@@ -418,7 +431,7 @@ class AccoTrainer(Trainer):
                 self._accumulate_while_waiting(model)
             if plan.ends_round and acco.step():
                 self.lr_scheduler.step()  # once per committed update, before the next handover
-        if not plan.update_weight > 0:
+        if not plan.weight > 0:  # nothing to learn in it (and its mean is NaN)
             return torch.zeros_like(loss)
         return loss * (plan.weight / plan.update_weight)
 
