@@ -88,12 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=128, help="records are cut to this many tokens")
     add("--batch-size", type=int, default=8, help="records per micro-batch, per rank")
     add("--grad-accum", type=int, default=4, help="micro-batches per update, per rank (even for --mode acco)")
-    add("--max-steps", type=int, default=150, help="committed optimizer updates")
+    add("--max-steps", type=int, default=100, help="committed optimizer updates")
     add("--lr", type=float, default=None, help="peak learning rate (default: 2e-5 with --model, 1e-3 without)")
     add("--warmup-steps", type=int, default=None, help="default: 0 with --model, 5%% of the updates without")
     add("--weight-decay", type=float, default=0.0)
     add("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    add("--eval-steps", type=int, default=50, help="evaluate every this many updates")
+    add("--eval-steps", type=int, default=25, help="evaluate every this many updates")
     add("--eval-records", type=int, default=128, help="held-out records to evaluate on")
     add("--save-steps", type=int, default=0, help="checkpoint every this many updates (0: only at the end)")
     add("--resume", action="store_true", help="resume from the newest checkpoint in --output-dir")
@@ -271,10 +271,16 @@ class Progress(TrainerCallback):
     def __init__(self, max_steps: int) -> None:
         self.max_steps = max_steps
         self.start = time.perf_counter()
+        self.first_step = 0
+        self.extra_micro_batches = 0.0
         self.eval_losses: list[tuple[int, float]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self.first_step = state.global_step  # > 0 when resumed
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
         logs = logs or {}
+        self.extra_micro_batches = logs.get("acco_extra_micro_batches", self.extra_micro_batches)
         if "eval_loss" in logs:
             self.eval_losses.append((state.global_step, logs["eval_loss"]))
         if not state.is_world_process_zero:
@@ -318,7 +324,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
         # Rank 0 trains the tokenizer; the others load it, so every rank has the same one.
         tokenizer_dir = Path(args.output_dir) / "tokenizer"
@@ -390,8 +396,11 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
     # The Trainer evaluates after the last update (a step-based eval strategy always does).
     first = progress.eval_losses[0][1] if progress.eval_losses else math.nan
     final = progress.eval_losses[-1][1] if progress.eval_losses else math.nan
-    print0(ctx, f"{output.global_step} updates, {samples_per_update * args.max_steps:,} samples in {seconds:.1f} s "
-                f"({samples_per_update * args.max_steps / seconds:.1f} samples/s, evaluation included)")
+    samples = samples_per_update * (output.global_step - progress.first_step)
+    extra = (f" + {progress.extra_micro_batches * args.batch_size:,.0f} extra on rank 0 while waiting"
+             if args.accumulate_while_waiting else "")
+    print0(ctx, f"{output.global_step - progress.first_step} updates, {samples:,} samples{extra} in {seconds:.1f} s "
+                f"({samples / seconds:.1f} samples/s, evaluation included)")
     print0(ctx, f"eval loss {first:.4f} -> {final:.4f}")
     trainer.save_model(str(Path(args.output_dir) / "final"))
 
