@@ -1,10 +1,12 @@
 """Fresh processes launched the way torchrun launches them, for the Trainer tests.
 
 ``transformers.Trainer`` and accelerate keep process-wide singletons (the accelerator state,
-the process group they initialise from ``RANK``/``WORLD_SIZE``), so each call here spawns
+the process group they initialise from ``RANK``/``WORLD_SIZE``), so each call here starts
 new processes with torchrun's environment variables and lets the Trainer set up the gloo
-group itself, as it would under ``torchrun``. A rank's exception is re-raised with its
-traceback; ranks still running after the timeout are killed.
+group itself, as it would under ``torchrun``. They are forked from a fork server that has
+imported transformers once (seconds per process otherwise) and holds no other state. A
+rank's exception is re-raised with its traceback; ranks still running after the timeout are
+killed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """AccoTrainer against transformers.Trainer and against hand-written acco loops.
 
-Every test launches fresh processes as torchrun would (accelerate's state is per process)
-and trains a tiny Llama built from a config on padded data, so token counts differ per
-micro-batch and per rank.
+Every test launches fresh processes as torchrun would (accelerate's state is per process;
+tests/hf_ranks.py) and trains a tiny Llama built from a config on padded data, so token
+counts differ per micro-batch and per rank.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def resume_then_accumulate_while_waiting(output_dir: str) -> dict:
     resumed.train(resume_from_checkpoint=f"{output_dir}/stopped/checkpoint-3")
 
     args = training_args(f"{output_dir}/waiting", gradient_accumulation_steps=2, max_steps=4, logging_steps=2)
-    waiting = AccoTrainer(model=tiny_llama(), args=args, train_dataset=examples, callbacks=[SlowRank(1, 0.3)],
+    waiting = AccoTrainer(model=tiny_llama(), args=args, train_dataset=examples, callbacks=[SlowRank(1, 0.5)],
                           acco_accumulate_while_waiting=True)
     waiting.train()
     acco = waiting.acco_optimizer
@@ -389,7 +389,6 @@ def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run):
     # Rank 1 is slow: rank 0 computed extra micro-batches while rounds were in flight
     # (one is scheduled per round), and the ranks still agree on every parameter.
     assert max(second[0]["micro_batches"]) > 1 and second[0]["extra"][-1] > 0
-    assert max(second[1]["micro_batches"]) == 1
     assert all(0.0 <= share <= 1.0 for share in second[0]["hidden"])
     assert_params_close(second[0]["waiting"], second[1]["waiting"], rtol=0, atol=0)
 
