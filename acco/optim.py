@@ -473,8 +473,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         Raises:
             CommLaneError / TimeoutError: the round in flight failed.
         """
+        if self._eval_stash is not None and self._eval_stash[0] == self._rounds_launched:
+            return  # already holds the committed parameters
+        self._eval_stash = None  # set aside before a step(): the model has moved on since
         round_ = self._in_flight
-        if self._eval_stash is not None or round_ is None or round_.kind is not RoundKind.COMMIT:
+        if round_ is None or round_.kind is not RoundKind.COMMIT:
             return
         self._check_usable("eval")
         self._wait(round_)  # its result still lands at the next step() or finish()
