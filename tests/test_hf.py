@@ -408,3 +408,38 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
     assert_params_close(result["committed_at_resume"], result["checkpoint"], rtol=0, atol=0)
     assert result["resumed_updates"] == 6
     assert first[0]["stopped_updates"] == 3
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
+def test_optimizer_eval_shows_the_update_in_flight_and_train_restores(mode):
+    """AccoOptimizer.eval()/train(), what AccoTrainer relies on, in a plain loop (one process)."""
+    from acco import AccoOptimizer, RoundKind
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, lr=0.1)
+    swaps = 0
+    for _ in range(7):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.accumulate()
+        opt.step()
+        live = params_of(model)
+        opt.eval()
+        shown = params_of(model)
+        opt.eval()  # idempotent
+        assert_params_close(params_of(model), shown, rtol=0, atol=0)
+        opt.train()
+        assert_params_close(params_of(model), live, rtol=0, atol=0)
+        if opt.in_flight is RoundKind.COMMIT:
+            swaps += 1
+            assert any(not torch.equal(live[n], shown[n]) for n in live)  # an estimate (or dpu's lag) was showing
+            # What eval() shows is what the next step() lands; after that step() the copy
+            # eval() set aside is stale, and train() must leave the model as it is.
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.accumulate()
+            opt.eval()
+            opt.step()
+            opt.train()
+            assert_params_close(params_of(model), shown, rtol=0, atol=0)
+    opt.finish()
+    assert swaps > 0 if mode != "sync" else swaps == 0
