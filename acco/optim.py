@@ -531,6 +531,59 @@ class AccoOptimizer(torch.optim.Optimizer):
         """The base optimizer of each param group on this rank's shard (None: owns nothing)."""
         return list(self._base)
 
+    # ------------------------------------- committed parameters (schedule-free convention)
+
+    # (rounds launched when eval() swapped, the live parameters it set aside), or None.
+    _eval_stash: tuple[int, list[list[Tensor]]] | None = None
+
+    def eval(self) -> None:
+        """Load the committed parameters into the model, to evaluate or save it.
+
+        The convention of schedule-free optimizers, which ``transformers.Trainer`` and
+        accelerate already follow (``optimizer.eval()`` before evaluating,
+        ``optimizer.train()`` before training). Afterwards the model holds what
+        :meth:`finish` would leave: ``num_updates + (in_flight is RoundKind.COMMIT)``
+        updates. With a commit round in flight (``acco`` after its estimate has landed,
+        ``dpu`` after every ``step()``), this waits for it (not collective: its collectives
+        are already under way on every rank), loads its result and sets the live parameters
+        (the acco estimate, or the parameters the dpu round computes at) aside until
+        :meth:`train`; one copy of the parameters meanwhile. Otherwise the model already
+        holds the committed parameters and nothing changes.
+
+        Call :meth:`train` before the next forward pass: gradients must be taken at the live
+        parameters. :func:`acco.checkpoint.save` with a model saves what the model holds,
+        so call :meth:`train` before it for an exact resume.
+
+        Raises:
+            CommLaneError / TimeoutError: the round in flight failed.
+        """
+        if self._eval_stash is not None and self._eval_stash[0] == self._rounds_launched:
+            return  # already holds the committed parameters
+        self._eval_stash = None  # set aside before a step(): the model has moved on since
+        round_ = self._in_flight
+        if round_ is None or round_.kind is not RoundKind.COMMIT:
+            return
+        self._check_usable("eval")
+        self._wait(round_)  # its result still lands at the next step() or finish()
+        live = [[p.detach().clone() for p in group.params] for group in self._groups]
+        self._eval_stash = (self._rounds_launched, live)
+        with record_function("acco.load_params"):
+            for group in self._groups:
+                group.load_params_from_buffer()
+
+    def train(self) -> None:
+        """Put back the live parameters that :meth:`eval` set aside (no-op otherwise).
+
+        If ``step()`` or ``finish()`` ran since :meth:`eval`, the model already holds newer
+        parameters and they are kept.
+        """
+        stash, self._eval_stash = self._eval_stash, None
+        if stash is None or stash[0] != self._rounds_launched or self._closed:
+            return
+        with torch.no_grad():
+            for group, values in zip(self._groups, stash[1]):
+                torch._foreach_copy_([p.data for p in group.params], values)
+
     # ------------------------------------------------------------- round boundaries
 
     def _launch(self, kind: RoundKind) -> None:
