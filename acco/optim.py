@@ -743,7 +743,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 for group in self._groups:
                     if light:
                         # The delta from the committed shard, which every rank holds in full.
-                        delta = group.gather_input.to(group.master_dtype).sub_(group.master)
+                        delta = group.gather_input.to(group.master_dtype, copy=True).sub_(group.master)
                         group.gather_from_delta(*self._lane_comm.all_gather_quantized(delta, self.estimate_dtype))
                     else:
                         self._lane_comm.all_gather(group.gathered, group.gather_input)
