@@ -19,6 +19,7 @@ import collections
 import copy
 import datetime
 import enum
+import functools
 import inspect
 import math
 import time
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
+from acco.sharding import Collectives, Layout, ShardCopy, ShardedGroup, ShardPlan, plan_layout
 from acco.streams import LaneFuture, make_lane
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
@@ -262,6 +263,9 @@ class AccoOptimizer(torch.optim.Optimizer):
                 self._comm.rank,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
+                # sync computes nothing while a round runs: the round reduces, updates and
+                # gathers in the accumulator itself.
+                double_buffered=self.mode is not Mode.SYNC,
             )
             for g in self.param_groups
         ]
@@ -290,6 +294,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._lane_comm = self._comm.new_lane_group(timeout)
         self._lane = make_lane(self._groups[0].device)
         weakref.finalize(self, self._lane.close)
+        self._weights = _WeightPolicy()
+        self._hooks = _register_fold_hooks(self)
 
         # Round state: what the next handover launches, and the round in flight.
         self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
@@ -308,35 +314,121 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- compute lane
 
-    def accumulate(self, weight: float | Tensor = 1.0) -> None:
-        """Fold the gradients now in ``p.grad`` into this round's accumulator.
+    def accumulate(self, weight: float | Tensor | None = None) -> None:
+        """End a micro-batch: fold its gradients into this round's accumulator.
 
-        ``p.grad`` is consumed (set to None), so the next backward starts from zero.
-        Parameters whose ``grad`` is None contribute zero.
+        Without ``weight`` (equal weights) the gradients of every ``backward()`` after the
+        first ``accumulate()`` are folded into the accumulator during ``backward()``, one
+        parameter as soon as its gradient exists, so no model-size ``p.grad`` is ever held;
+        ``p.grad`` stays None. With ``weight`` the gradient cannot be weighted before it is
+        known: ``p.grad`` is kept until this call (one model size more at the end of each
+        backward). For unequal weights without that cost, declare the weight before
+        ``backward()`` with :meth:`micro_batch`. Parameters without a gradient count as zero.
 
         Args:
-            weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over
-                (a number or a one-element tensor). The update divides the weighted sum
-                by the total weight over all ranks.
+            weight: how many samples (or tokens) the gradient is a mean over (a number or a
+                one-element tensor). The update divides the weighted sum by the total weight
+                over all ranks. Default: 1 (equal weights).
+
+        Raises:
+            ValueError: ``weight`` is negative, NaN or infinite; or it differs from the weight
+                this micro-batch's gradients were already folded at during ``backward()``
+                (the micro-batch then counts with that weight).
+            RuntimeError: no gradient since the last ``accumulate()``, a call inside a
+                :meth:`micro_batch` block, or the optimizer is finished.
+        """
+        self._check_usable("accumulate")
+        self._weights.check_outside_block("accumulate()")
+        value = 1.0 if weight is None else _check_weight(weight)
+        self._check_params_unchanged()
+        self._end_micro_batch(value, explicit=weight is not None)
+        if self._weights.decide(explicit=weight is not None):
+            # Equal weights: from now on p.grad is a view of the accumulator wherever the
+            # dtypes allow (autograd adds into it in place), elsewhere a hook folds it.
+            for group in self._groups:
+                if group.can_view_grads():
+                    group.attach_grad_views()
+
+    @contextmanager
+    def micro_batch(self, weight: float | Tensor = 1.0) -> Iterator[None]:
+        """A micro-batch whose weight is known before its ``backward()``.
+
+        Its gradients are folded, weighted, into the accumulator during ``backward()`` (no
+        ``p.grad`` is kept), and the block's end does what :meth:`accumulate` does::
+
+            with opt.micro_batch(weight=n_tokens):
+                loss_fn(model(x), y).backward()
+
+        Args:
+            weight: how many samples (or tokens) the block's gradient is a mean over.
 
         Raises:
             ValueError: ``weight`` is negative, NaN or infinite.
-            RuntimeError: no parameter has a gradient, or the optimizer is finished.
+            RuntimeError: blocks nested, gradients of an earlier ``backward()`` not yet
+                accumulated, no gradient in the block, or ``accumulate()``/``step()``
+                called inside it. An exception inside the block after some gradients were
+                folded leaves a partial micro-batch in the accumulator: every later call
+                raises ``RuntimeError``.
         """
-        self._check_usable("accumulate")
-        if isinstance(weight, Tensor) and weight.numel() == 1:
-            weight = weight.item()  # e.g. a token count computed on the device
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+        self._check_usable("micro_batch")
+        value = _check_weight(weight)
+        self._weights.check_outside_block("micro_batch()")
+        if self._weights.folded is not None or any(g.holds_grad() for g in self._groups):
+            raise RuntimeError(
+                "micro_batch(): the gradients of an earlier backward() have not been accumulated: "
+                "call accumulate() before the block"
+            )
         self._check_params_unchanged()
+        # Inside the block every gradient goes through the hooks, which weight it.
+        views = [group.grad_views for group in self._groups]
+        for group in self._groups:
+            group.detach_grad_views()
+            group.grad_views = False
+        try:
+            with self._weights.block(value):
+                yield
+        finally:
+            for group, attached in zip(self._groups, views):
+                if attached:
+                    group.grad_views = True
+        self._end_micro_batch(value, explicit=True)
+        for group in self._groups:
+            if group.grad_views:
+                group.attach_grad_views()
+
+    def _end_micro_batch(self, weight: float, explicit: bool) -> None:
+        folded_at = self._weights.take_folded()
+        if folded_at is not None and explicit and weight != folded_at:
+            self._count_micro_batch(folded_at)
+            raise ValueError(
+                f"accumulate(weight={weight!r}): this micro-batch's gradients were already folded at weight "
+                f"{folded_at!r} during backward() (the first accumulate() had no weight); it counts with "
+                f"{folded_at!r}. Declare unequal weights before backward(): "
+                "`with opt.micro_batch(weight=w): loss.backward()`"
+            )
         with record_function("acco.accumulate"):
             found = [group.accumulate_grads(float(weight)) for group in self._groups]
-        if not any(found):
+        if folded_at is None and not any(found):
             raise RuntimeError("accumulate() found no gradient in any parameter: call backward() first")
+        self._count_micro_batch(weight)
+
+    def _count_micro_batch(self, weight: float) -> None:
         self._pending_weight += weight
         self._pending_micro_batches += 1
         self._round_weight += weight
         self._round_micro_batches += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; raises ``RuntimeError`` when gradients of a
+        ``backward()`` were already folded into the accumulator (they cannot be discarded)."""
+        if self._weights.folded is not None:
+            raise RuntimeError(
+                "zero_grad(): the last backward()'s gradients were folded into acco's accumulator during "
+                "backward() and cannot be discarded; call accumulate() (or skip the backward)"
+            )
+        for group in self._groups:
+            group.detach_grad_views()  # zeroing them would zero the accumulated sum
+        super().zero_grad(set_to_none=set_to_none)
 
     def ready(self) -> bool:
         """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
@@ -358,6 +450,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("AccoOptimizer.step() takes no closure")
         self._check_usable("step")
+        self._weights.check_outside_block("step()")
         if self._rounds_launched == 0 and self._round_micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
         self._check_params_unchanged()
@@ -822,13 +915,12 @@ def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: d
         base.step()
         group.gather_input.copy_(group.master)
         return
-    saved_master = group.master.clone()
-    saved_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in base.state.items()}
+    if group.estimate_copy is None:
+        group.estimate_copy = ShardCopy()
+    group.estimate_copy.save(group.master, base.state)
     base.step()
     group.gather_input.copy_(group.master)
-    group.master.copy_(saved_master)
-    base.state.clear()
-    base.state.update(saved_state)
+    group.estimate_copy.restore(group.master, base.state)
 
 
 def _has_nonfinite(buffer: Tensor) -> bool:
@@ -951,3 +1043,93 @@ def _probe_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict
     hyper-parameters raise the base optimizer's own error before any collective."""
     probe = optimizer_class([torch.zeros(2, 2, requires_grad=True)], **defaults)
     return dict(probe.defaults)
+
+
+def _check_weight(weight: Any) -> float:
+    if isinstance(weight, Tensor) and weight.numel() == 1:
+        weight = weight.item()  # e.g. a token count computed on the device
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"Invalid weight: {weight!r} (a finite number >= 0)")
+    return float(weight)
+
+
+class _WeightPolicy:
+    """At which weight the post-accumulate-grad hooks fold gradients during backward().
+
+    ``fold_weight`` None: the hooks leave ``p.grad`` for ``accumulate()`` (the weight is
+    not known yet). The first ``accumulate()`` decides: without a weight (equal weights)
+    every later backward() is folded at weight 1; with one, ``p.grad`` is kept (weights
+    given after backward). A :meth:`AccoOptimizer.micro_batch` block folds at its own
+    weight whatever was decided.
+    """
+
+    def __init__(self) -> None:
+        self.fold_weight: float | None = None
+        self.decided = False
+        self.folded: float | None = None  # the weight hooks folded this micro-batch's gradients at
+        self.in_block = False
+        self.torn = False  # a block raised after folding part of its gradients
+
+    def decide(self, explicit: bool) -> bool:
+        """Record the first ``accumulate()``; returns True when it chose equal weights."""
+        if self.decided:
+            return False
+        self.decided = True
+        self.fold_weight = None if explicit else 1.0
+        return not explicit
+
+    def take_folded(self) -> float | None:
+        """The weight this micro-batch's gradients were folded at (None: none were)."""
+        weight, self.folded = self.folded, None
+        return weight
+
+    def check_outside_block(self, call: str) -> None:
+        if self.torn:
+            raise RuntimeError(
+                f"{call} after a micro_batch() block raised once some of its gradients were folded: the "
+                "accumulator holds a partial micro-batch; build a new AccoOptimizer (or load a checkpoint)"
+            )
+        if self.in_block:
+            raise RuntimeError(f"{call} inside a micro_batch() block (blocks do not nest; the block accumulates when it ends)")
+
+    @contextmanager
+    def block(self, weight: float) -> Iterator[None]:
+        previous = self.fold_weight
+        self.fold_weight, self.in_block = weight, True
+        try:
+            yield
+        except BaseException:
+            self.torn = self.folded is not None
+            self.folded = None
+            raise
+        finally:
+            self.fold_weight, self.in_block = previous, False
+
+
+def _fold_hook(optimizer_ref: weakref.ReferenceType, group_index: int, index: int, param: Tensor) -> None:
+    """Post-accumulate-grad hook: fold ``param.grad`` into the accumulator and free it."""
+    optimizer = optimizer_ref()
+    if optimizer is None or optimizer._closed:
+        return
+    weights = optimizer._weights
+    if weights.fold_weight is None:
+        return  # the weight is given after backward(): accumulate() folds p.grad
+    if optimizer._groups[group_index].fold_grad(index, weights.fold_weight):
+        weights.folded = weights.fold_weight
+
+
+def _register_fold_hooks(optimizer: AccoOptimizer) -> list[Any]:
+    """One post-accumulate-grad hook per managed parameter, removed with the optimizer."""
+    ref = weakref.ref(optimizer)
+    handles = [
+        param.register_post_accumulate_grad_hook(functools.partial(_fold_hook, ref, g, i))
+        for g, group in enumerate(optimizer._groups)
+        for i, param in enumerate(group.params)
+    ]
+    weakref.finalize(optimizer, _remove_hooks, handles)
+    return handles
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
