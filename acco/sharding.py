@@ -448,6 +448,9 @@ class ShardCopy:
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b``'s memory (a gradient view of the accumulator)."""
+    if a.is_sparse or a.numel() == 0:
+        return False  # empty tensors may all share one null pointer
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
