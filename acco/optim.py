@@ -917,10 +917,24 @@ def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: d
         return
     if group.estimate_copy is None:
         group.estimate_copy = ShardCopy()
-    group.estimate_copy.save(group.master, base.state)
-    base.step()
-    group.gather_input.copy_(group.master)
-    group.estimate_copy.restore(group.master, base.state)
+    workspace = group.shard_workspace()
+    if workspace is None:  # step the real shard, then put it back from the copy
+        group.estimate_copy.save(group.master, base.state)
+        base.step()
+        group.gather_input.copy_(group.master)
+        group.estimate_copy.restore(group.master, base.state)
+        return
+    # Step a working copy of the shard held in a chunk of the round's buffer that was sent
+    # already: the master shard itself is never touched, so it needs no copy.
+    workspace.copy_(group.master)
+    group.point_master_views(workspace)
+    try:
+        group.estimate_copy.save(None, base.state)
+        base.step()
+        group.gather_input.copy_(workspace)
+        group.estimate_copy.restore(None, base.state)
+    finally:
+        group.point_master_views(group.master)
 
 
 def _has_nonfinite(buffer: Tensor) -> bool:

@@ -166,8 +166,11 @@ def account(method: Any) -> dict[str, Any]:
             acc.add(p.grad, "gradients")
     if hasattr(method.model, "_get_ddp_logging_data"):
         data = method.model._get_ddp_logging_data()
+        buckets = sum(int(s) for s in str(data["bucket_sizes"]).split(", ") if s)
         if not data.get("gradient_as_bucket_view"):
-            acc.bytes["gradient buffers"] += sum(int(s) for s in str(data["bucket_sizes"]).split(", ") if s)
+            acc.bytes["gradient buffers"] += buckets
+        elif not any(p.grad is not None for p in params):
+            acc.bytes["gradients"] += buckets  # p.grad = None between steps; the buckets stay
     return {"bytes": dict(acc.bytes), "total": sum(acc.bytes.values()), "other_tensors": acc.other}
 
 
