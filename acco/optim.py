@@ -266,6 +266,9 @@ class AccoOptimizer(torch.optim.Optimizer):
                 # sync computes nothing while a round runs: the round reduces, updates and
                 # gathers in the accumulator itself.
                 double_buffered=self.mode is not Mode.SYNC,
+                # sync and dpu load each round's result as the committed parameters: with
+                # fp32 parameters those hold the master shard (acco's hold estimates).
+                master_in_params=self.mode is not Mode.ACCO,
             )
             for g in self.param_groups
         ]
@@ -756,7 +759,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                     "chunk": sharded.plan.chunk,
                     "param_dtype": str(sharded.param_dtype),
                     "reduce_dtype": str(sharded.reduce_dtype),
-                    "master": sharded.master.clone(),
+                    "master": sharded.master_values(in_flight=round_ is not None),
                     "base_state": _base_state(sharded, base),
                     "in_flight_result": None if round_ is None else sharded.gather_input.clone(),
                     "grad_accumulator": sharded.grad_accumulator.clone(),
@@ -817,7 +820,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         for group, values in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in values.items() if k not in _NOT_HYPERPARAMS})
         for sharded, base, values in zip(self._groups, self._base, saved["groups"]):
-            sharded.master.copy_(values["master"])
+            sharded.load_master_values(values["master"], in_flight=saved["round"]["in_flight_kind"] is not None)
             sharded.grad_accumulator.copy_(values["grad_accumulator"])
             if base is not None:
                 _load_base_state(sharded, base, values["base_state"])
@@ -908,12 +911,13 @@ def _check_state_dict(optimizer: AccoOptimizer, state_dict: Any) -> dict[str, An
 
 def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict[str, Any], estimate: bool) -> None:
     """Run the base optimizer on this rank's shard; an estimate leaves shard and state as found."""
+    master = group.master  # first, so that master_views point at this round's master shard
     base.param_groups[0].update(hyperparams)
     for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
         param.grad = grad
     if not estimate:
         base.step()
-        group.gather_input.copy_(group.master)
+        group.gather_input.copy_(master)
         return
     if group.estimate_copy is None:
         group.estimate_copy = ShardCopy()

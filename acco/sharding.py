@@ -163,7 +163,20 @@ class ShardedGroup:
     ``master_grad`` and ``gathered`` (= ``gather_input``) are separate buffers.
 
     ``master`` (``plan.chunk`` long, fp32, fp64 for fp64 parameters) is this rank's shard
-    of the parameters; ``master_views`` are the tensors the base optimizer sees.
+    of the parameters; ``master_views`` are the tensors the base optimizer sees. With
+    ``master_in_params`` (sync and dpu, whose live parameters hold the committed values at
+    every round boundary) and every dtype the master dtype, it is not kept at all: each
+    round copies it from the live parameters into a chunk of the round's buffer already
+    sent (:meth:`shard_workspace`) and steps it there.
+
+    Per rank, with P parameters, N ranks and the bytes of each dtype ``b_*``:
+    ``P b_reduce`` (accumulator) + ``P b_reduce`` (hand-over, not in sync) +
+    ``P/N b_master`` (master shard, not with ``master_in_params``) + ``P/N b_master``
+    (``master_grad``, only when ``b_reduce`` is not the master dtype) + ``P b_param``
+    (``gathered``, only when ``param_dtype`` is wider than ``reduce_dtype``), plus the
+    base optimizer's state for ``P/N`` and, in acco mode, one copy of that state (and of
+    the master shard where no free chunk of the round's buffer can hold the estimate's
+    working copy). :meth:`buffer_bytes` gives the figures.
     """
 
     def __init__(
@@ -175,6 +188,7 @@ class ShardedGroup:
         reduce_dtype: torch.dtype | None = None,
         *,
         double_buffered: bool = True,
+        master_in_params: bool = False,
     ) -> None:
         first = params[0]
         self.params = list(params)
@@ -192,7 +206,23 @@ class ShardedGroup:
         n, chunk = plan.padded_numel, plan.chunk
         self.grad_accumulator = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
         self.grad_handover: Tensor | None = None if self.double_buffered else self.grad_accumulator
-        self.master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+        # The live parameters hold the committed values at every round boundary in sync and
+        # dpu. When they are in the master dtype (and every buffer too), the master shard is
+        # not kept: each round copies it from the live parameters into a chunk of its own
+        # buffer that was already sent (see master), and the base optimizer steps it there.
+        self.master_in_params = (
+            master_in_params
+            and self.in_place
+            and self.param_dtype == self.reduce_dtype == self.master_dtype == first.dtype
+        )
+        self._rounds = 0  # hand-overs so far; master is reloaded once per round
+        self._master_round = -1
+        if self.master_in_params:
+            self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
+            placeholder = self.grad_accumulator[:chunk]  # no storage of its own; moved each round
+        else:
+            self._master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+            placeholder = self._master
         self._master_grad: Tensor | None = None
         if not (self.in_place and self.reduce_dtype == self.master_dtype):
             self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
@@ -201,7 +231,7 @@ class ShardedGroup:
             self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
         # Views of master (distinct tensors, also in the flat layout) that the base optimizer
         # is built on; point_master_views() may move them to a workspace for one update.
-        self.master_views = [view.view(view.shape) for view in self.shard_views(self.master)]
+        self.master_views = [view.view(view.shape) for view in self.shard_views(placeholder)]
         self._accumulator_views = self._views(self.grad_accumulator)
         # Whether p.grad points into the accumulator (autograd then accumulates in place).
         self.grad_views = False
@@ -255,6 +285,77 @@ class ShardedGroup:
         start, stop = self.plan.rank_range(self.rank)
         return self.gathered[start:stop]
 
+    @property
+    def master(self) -> Tensor:
+        """This rank's master shard (``plan.chunk`` long, master dtype).
+
+        With ``master_in_params`` it exists only on the comm lane during a round: the first
+        access of a round copies this rank's chunk of the live parameters (the committed
+        values) into a chunk of the round's buffer that was already sent, and points the
+        base optimizer's parameters there; the all-gather then carries the result.
+        """
+        if not self.master_in_params:
+            return self._master
+        if self._master_round != self._rounds:
+            workspace = self.shard_workspace()
+            if workspace is None:
+                raise AssertionError("master_in_params without a free chunk in the round's buffer")
+            with torch.no_grad():
+                self._master.set_(workspace)
+                self._params_to_shard(self._master)
+            self.point_master_views(self._master)
+            self._master_round = self._rounds
+        return self._master
+
+    def master_values(self, in_flight: bool) -> Tensor:
+        """A copy of the committed master shard at a round boundary (``in_flight``: a
+        finished round has not been loaded yet; its result is the committed values)."""
+        if not self.master_in_params:
+            return self._master.clone()
+        if in_flight:
+            return self.gather_input.clone()
+        shard = torch.empty(self.plan.chunk, dtype=self.master_dtype, device=self.device)
+        self._params_to_shard(shard)
+        return shard
+
+    def load_master_values(self, values: Tensor, in_flight: bool) -> None:
+        """Restore the committed master shard (``in_flight``: a replayed round brings it)."""
+        if not self.master_in_params:
+            self._master.copy_(values)
+        elif not in_flight:
+            # The master shard is the live parameters' chunk: write it there (the same
+            # values when the model's state was restored too).
+            start, _ = self.plan.rank_range(self.rank)
+            with torch.no_grad():
+                for index, offset, length in self._chunk_pieces():
+                    self.params[index].data.view(-1)[offset - self.plan.slots[index].offset :][:length].copy_(
+                        values[offset - start : offset - start + length]
+                    )
+
+    def _chunk_pieces(self) -> list[tuple[int, int, int]]:
+        """(parameter index, offset in the flat buffer, length) of every piece of a
+        parameter inside this rank's chunk."""
+        start, stop = self.plan.rank_range(self.rank)
+        pieces = []
+        for index, slot in enumerate(self.plan.slots):
+            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                pieces.append((index, lo, hi - lo))
+        return pieces
+
+    def _params_to_shard(self, shard: Tensor) -> None:
+        start, _ = self.plan.rank_range(self.rank)
+        shard.zero_()  # padding
+        pieces = self._chunk_pieces()
+        if pieces:
+            torch._foreach_copy_(
+                [shard[offset - start : offset - start + length] for _, offset, length in pieces],
+                [
+                    self.params[index].detach().reshape(-1)[offset - self.plan.slots[index].offset :][:length]
+                    for index, offset, length in pieces
+                ],
+            )
+
     def shard_workspace(self) -> Tensor | None:
         """A chunk of the round's buffer that nothing reads during the update, usable as a
         chunk-sized tensor in the master dtype; None where there is none.
@@ -293,7 +394,7 @@ class ShardedGroup:
             if self.grad_handover is None or self.grad_handover is self.grad_accumulator
             else self.grad_handover.nbytes,
             "gathered": 0 if self._gathered is None else self._gathered.nbytes,
-            "master": self.master.nbytes,
+            "master": 0 if self.master_in_params else self._master.nbytes,
             "master_grad": 0 if self._master_grad is None else self._master_grad.nbytes,
         }
         sizes["estimate_copy"] = 0 if self.estimate_copy is None else self.estimate_copy.nbytes()
@@ -371,6 +472,7 @@ class ShardedGroup:
         contents, so the following commit round sees both rounds' gradients; otherwise it
         starts again from zero. Single-buffered, the round reads the accumulator itself.
         """
+        self._rounds += 1
         if not self.double_buffered:
             if keep_accumulating:
                 raise AssertionError("a single-buffered group cannot keep accumulating during a round")
@@ -400,7 +502,8 @@ class ShardedGroup:
         """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
         which take ``param_dtype`` here (the master keeps full precision)."""
         start, stop = self.plan.rank_range(self.rank)
-        self.master.copy_(values[start:stop])
+        if not self.master_in_params:
+            self._master.copy_(values[start:stop])
         with torch.no_grad():
             for param, value in zip(self.params, self._views(values)):
                 if param.dtype == self.param_dtype:

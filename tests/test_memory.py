@@ -276,7 +276,9 @@ def test_buffers_per_rank_follow_the_formula(ranks, mode, dtype):
             "grad_accumulator": n * reduce_bytes,
             "grad_handover": 0 if mode == "sync" else n * reduce_bytes,
             "gathered": 0,  # in the round's buffer (bf16: its first half)
-            "master": chunk * 4,
+            # sync and dpu with fp32 everywhere: the master shard is the live parameters'
+            # chunk, copied into the round's buffer for each update.
+            "master": 0 if mode != "acco" and dtype == "fp32" else chunk * 4,
             "master_grad": 0,  # the fp32 reduce-scatter output serves
             # One copy of the AdamW state, allocated once; the estimate steps a working copy
             # of the master shard in a chunk of the round's buffer that was already sent
