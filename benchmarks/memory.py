@@ -68,6 +68,7 @@ ATTRIBUTE_CATEGORY = {
     "_scratch": "communication buffers",
     "_buckets": "communication buffers",
     "master": "master shard",
+    "_master": "master shard",
     "master_grad": "master shard",
     "_master_grad": "master shard",
     "master_views": "master shard",
