@@ -490,6 +490,8 @@ class AccoOptimizer(torch.optim.Optimizer):
                 return False
             return self._land_in_flight()
         finally:
+            for group in self._groups:  # p.grad no longer points into acco's buffers
+                group.detach_grad_views()
             self.close()
 
     def close(self) -> None:
