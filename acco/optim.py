@@ -320,13 +320,15 @@ class AccoOptimizer(torch.optim.Optimizer):
     def accumulate(self, weight: float | Tensor | None = None) -> None:
         """End a micro-batch: fold its gradients into this round's accumulator.
 
-        Without ``weight`` (equal weights) the gradients of every ``backward()`` after the
-        first ``accumulate()`` are folded into the accumulator during ``backward()``, one
-        parameter as soon as its gradient exists, so no model-size ``p.grad`` is ever held;
-        ``p.grad`` stays None. With ``weight`` the gradient cannot be weighted before it is
-        known: ``p.grad`` is kept until this call (one model size more at the end of each
-        backward). For unequal weights without that cost, declare the weight before
-        ``backward()`` with :meth:`micro_batch`. Parameters without a gradient count as zero.
+        Without ``weight`` (equal weights), after the first ``accumulate()`` every ``p.grad``
+        is a view of the accumulator, so ``backward()`` adds into it in place and no
+        gradient copy exists (``p.grad`` then holds the round's running sum). Where
+        ``reduce_dtype`` differs from the parameters' dtype a post-accumulate-grad hook folds
+        each gradient as soon as backward produces it, and ``p.grad`` stays None. With
+        ``weight`` the gradient cannot be weighted before the weight is known: ``p.grad`` is
+        kept until this call (one model size more at the end of each backward) and set to
+        None. For unequal weights without that cost, declare the weight before ``backward()``
+        with :meth:`micro_batch`. Parameters without a gradient count as zero.
 
         Args:
             weight: how many samples (or tokens) the gradient is a mean over (a number or a
