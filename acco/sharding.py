@@ -551,29 +551,29 @@ class ShardCopy:
     """
 
     def __init__(self) -> None:
-        self._master: Tensor | None = None
-        self._state: dict[Tensor, dict[str, Any]] = {}
+        self._master_copy: Tensor | None = None
+        self._state_copy: dict[Tensor, dict[str, Any]] = {}
 
     def save(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
         if master is not None:
-            if self._master is None:
-                self._master = torch.empty_like(master)
-            self._master.copy_(master)
+            if self._master_copy is None:
+                self._master_copy = torch.empty_like(master)
+            self._master_copy.copy_(master)
         saved: dict[Tensor, dict[str, Any]] = {}
         for param, values in state.items():
-            previous = self._state.get(param, {})
+            previous = self._state_copy.get(param, {})
             saved[param] = {key: _copy_into(previous.get(key), value) for key, value in values.items()}
-        self._state = saved
+        self._state_copy = saved
 
     def restore(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
         if master is not None:
-            if self._master is None:
+            if self._master_copy is None:
                 raise AssertionError("ShardCopy.restore() of a master shard it never saved")
-            master.copy_(self._master)
+            master.copy_(self._master_copy)
         for param in list(state):
-            if param not in self._state:
+            if param not in self._state_copy:
                 del state[param]  # created by the step being undone (the first estimate)
-        for param, saved in self._state.items():
+        for param, saved in self._state_copy.items():
             values = state.setdefault(param, {})
             for key in list(values):
                 if key not in saved:
@@ -586,8 +586,8 @@ class ShardCopy:
                     values[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
     def nbytes(self) -> int:
-        total = 0 if self._master is None else self._master.nbytes
-        return total + sum(v.nbytes for s in self._state.values() for v in s.values() if isinstance(v, Tensor))
+        total = 0 if self._master_copy is None else self._master_copy.nbytes
+        return total + sum(v.nbytes for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor))
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:

@@ -86,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=2, help="updates before measuring")
     add("--updates", type=int, default=1, help="measured updates")
     add("--out", default=None)
+    add("--merge", action="store_true", help="replace the matching runs of --out, keep the others")
     add("--no-report", action="store_true")
     add("--method", default=None, help=argparse.SUPPRESS)
     add("--dtype", default="fp32", help=argparse.SUPPRESS)
@@ -278,6 +279,13 @@ def driver(args: argparse.Namespace) -> None:
                                    "--method", name, "--dtype", dtype_name, "--out", str(rank_out)], netns=False)
                     results["runs"].append(read_json(rank_out))
     results["runtime_s"] = time.perf_counter() - started
+    if args.merge and out.exists():
+        previous = read_json(out)
+        measured = {(r["method"], r["dtype"], r["ranks"]) for r in results["runs"]}
+        kept = [r for r in previous["runs"] if (r["method"], r["dtype"], r["ranks"]) not in measured]
+        order = {(r["method"], r["dtype"], r["ranks"]): i for i, r in enumerate(previous["runs"])}
+        runs = sorted(kept + results["runs"], key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
+        results = {**previous, "runs": runs, "runtime_s": previous["runtime_s"]}
     write_json(out, results)
     print(f"wrote {out} ({results['runtime_s']:.0f} s)")
     if not args.no_report:

@@ -244,8 +244,8 @@ def buffers_rank(mode: str, dtype: str) -> dict:
         loss_fn(model, torch.randn(4, 40, dtype=dtype), torch.zeros(4, 7, dtype=dtype)).backward()
         opt.accumulate()
         opt.step()
-        if group.estimate_copy is not None and group.estimate_copy._state:
-            copies.append([v.data_ptr() for s in group.estimate_copy._state.values() for v in s.values()])
+        if group.estimate_copy is not None and group.estimate_copy._state_copy:
+            copies.append([v.data_ptr() for s in group.estimate_copy._state_copy.values() for v in s.values()])
     opt.finish()
     handover = group.round_buffer()
     return {
