@@ -42,8 +42,10 @@ __all__ = [
 ]
 
 
-# The gloo reduce-scatter moves each chunk in this many pieces; its scratch is one piece.
+# The gloo reduce-scatter moves each chunk in this many pieces (fewer when a piece would be
+# under the minimum); its receive scratch is one piece.
 _REDUCE_SCATTER_PIECES = 16
+_REDUCE_SCATTER_MIN_PIECE_BYTES = 8 << 20
 
 
 class Layout(str, enum.Enum):
@@ -710,13 +712,16 @@ class Collectives:
         # piece by piece, adding each piece as it arrives. Each chunk crosses the network
         # once. The first piece is received into a piece-sized scratch; every later one into
         # the first piece already sent, which nothing reads any more: no model-size (nor
-        # chunk-size) receive buffer. Measured as fast as one all-to-all.
+        # chunk-size) receive buffer.
         rows = input.view(self.world_size, -1)
         own = rows[self.rank]
         if output.data_ptr() != own.data_ptr():
             output.copy_(own)
         chunk = own.numel()
-        piece = max(1, math.ceil(chunk / _REDUCE_SCATTER_PIECES))
+        # At most 16 pieces, none under 8 MiB: each exchange is a round trip, and small
+        # pieces would make a small model's reduce-scatter latency-bound.
+        piece = max(math.ceil(chunk / _REDUCE_SCATTER_PIECES), _REDUCE_SCATTER_MIN_PIECE_BYTES // own.element_size())
+        piece = max(1, min(chunk, piece))
         free = self._scratch_like(own[:piece])
         for step in range(1, self.world_size):
             dst = (self.rank + step) % self.world_size
