@@ -42,10 +42,9 @@ __all__ = [
 ]
 
 
-# The gloo reduce-scatter moves each chunk in this many pieces (fewer when a piece would be
-# under the minimum); its receive scratch is one piece.
-_REDUCE_SCATTER_PIECES = 16
-_REDUCE_SCATTER_MIN_PIECE_BYTES = 8 << 20
+# The gloo reduce-scatter's pieces: the first (its only receive buffer) and the largest.
+_REDUCE_SCATTER_FIRST_PIECE_BYTES = 1 << 20
+_REDUCE_SCATTER_LARGEST_PIECE_BYTES = 16 << 20
 
 
 class Layout(str, enum.Enum):
@@ -622,7 +621,7 @@ class Collectives:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
-        # The gloo reduce-scatter's piece-sized receive buffer, per (size, dtype, device).
+        # The gloo reduce-scatter's first-piece receive buffer, per (size, dtype, device).
         self._scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
     @classmethod
@@ -710,25 +709,27 @@ class Collectives:
         # gloo's reduce_scatter moves as many bytes as an all-reduce. Instead, N - 1 steps:
         # at step k send chunk r + k to its owner and receive rank r - k's copy of chunk r,
         # piece by piece, adding each piece as it arrives. Each chunk crosses the network
-        # once. The first piece is received into a piece-sized scratch; every later one into
-        # the first piece already sent, which nothing reads any more: no model-size (nor
-        # chunk-size) receive buffer.
+        # once. Only the first piece needs a receive buffer of its own (1 MiB): every later
+        # one lands in the part of the first step's chunk already sent, which nothing reads
+        # any more, and may be as large as that part (pieces double, up to 16 MiB).
         rows = input.view(self.world_size, -1)
         own = rows[self.rank]
         if output.data_ptr() != own.data_ptr():
             output.copy_(own)
-        chunk = own.numel()
-        # At most 16 pieces, none under 8 MiB: each exchange is a round trip, and small
-        # pieces would make a small model's reduce-scatter latency-bound.
-        piece = max(math.ceil(chunk / _REDUCE_SCATTER_PIECES), _REDUCE_SCATTER_MIN_PIECE_BYTES // own.element_size())
-        piece = max(1, min(chunk, piece))
-        free = self._scratch_like(own[:piece])
+        chunk, itemsize = own.numel(), own.element_size()
+        first = max(1, min(chunk, _REDUCE_SCATTER_FIRST_PIECE_BYTES // itemsize))
+        largest = max(first, _REDUCE_SCATTER_LARGEST_PIECE_BYTES // itemsize)
+        scratch = self._scratch_like(own[:first])
+        sent_of_first_step: Tensor | None = None  # the row whose sent prefix is free
+        sent = 0
         for step in range(1, self.world_size):
             dst = (self.rank + step) % self.world_size
             src = (self.rank - step) % self.world_size
-            for start in range(0, chunk, piece):
-                stop = min(chunk, start + piece)
-                received = free[: stop - start]
+            start = 0
+            while start < chunk:
+                room = first if sent_of_first_step is None else min(largest, sent)
+                stop = min(chunk, start + room)
+                received = scratch[: stop - start] if sent_of_first_step is None else sent_of_first_step[: stop - start]
                 works = [
                     dist.isend(rows[dst, start:stop], dist.get_global_rank(self.group, dst), group=self.group),
                     dist.irecv(received, dist.get_global_rank(self.group, src), group=self.group),
@@ -736,8 +737,9 @@ class Collectives:
                 for work in works:
                     work.wait()
                 output[start:stop].add_(received)
-                if step == 1 and start == 0:
-                    free = rows[dst, :piece]  # sent: free for the remaining receives
+                if step == 1:
+                    sent_of_first_step, sent = rows[dst], stop
+                start = stop
 
     def all_gather(self, output: Tensor, input: Tensor) -> None:
         """``output`` = the concatenation of every rank's ``input``, which may be this

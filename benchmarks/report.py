@@ -341,7 +341,10 @@ def memory_section(data: dict, baseline: dict | None = None) -> str:
                 f"{rss / MiB:.0f} ({rss / model:.2f})",
                 "" if t is None else f"{t['tensors']:+.2f} / {t['rss']:+.2f} (<= {t['target']:.2f}: "
                 + ("met" if max(t["tensors"], t["rss"]) <= t["target"] else "**not met**") + ")"
-                + ("" if dtype == "fp32" else f"; fp32 master/state over ZeRO-1's bf16 state {t['precision']:+.2f}"),
+                + ("" if dtype == "fp32" else
+                   f"; of which fp32 master/state over ZeRO-1's bf16 state {t['precision']:+.2f}, the rest "
+                   f"{t['tensors'] - t['precision']:+.2f}: " + ("met" if t["tensors"] - t["precision"] <= t["target"]
+                                                                 else "**not met**")),
             ])
         note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > 2 else ""
         out += [f"**{ranks} ranks, {dtype} parameters{note}**: MiB per rank (the largest rank); in brackets, model "
