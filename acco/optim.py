@@ -19,6 +19,7 @@ import collections
 import copy
 import datetime
 import enum
+import functools
 import inspect
 import math
 import time
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from acco.quantize import check_estimate_dtype
-from acco.sharding import Collectives, Layout, ShardedGroup, ShardPlan, plan_layout
+from acco.sharding import Collectives, Layout, ShardCopy, ShardedGroup, ShardPlan, plan_layout
 from acco.streams import LaneFuture, Stamp, make_lane
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
@@ -342,6 +343,12 @@ class AccoOptimizer(torch.optim.Optimizer):
                 self._comm.rank,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
+                # sync computes nothing while a round runs: the round reduces, updates and
+                # gathers in the accumulator itself.
+                double_buffered=self.mode is not Mode.SYNC,
+                # sync and dpu load each round's result as the committed parameters: with
+                # fp32 parameters those hold the master shard (acco's hold estimates).
+                master_in_params=self.mode is not Mode.ACCO,
             )
             for g in self.param_groups
         ]
@@ -371,6 +378,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
+        self._weights = _WeightPolicy()
+        self._hooks = _register_fold_hooks(self)
 
         # Round state: what the next handover launches, and the round in flight.
         self._next_kind = RoundKind.ESTIMATE if self.mode is Mode.ACCO else RoundKind.COMMIT
@@ -389,33 +398,125 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- compute lane
 
-    def accumulate(self, weight: float | Tensor = 1.0) -> None:
-        """Fold the gradients now in ``p.grad`` into this round's accumulator.
+    def accumulate(self, weight: float | Tensor | None = None) -> None:
+        """End a micro-batch: fold its gradients into this round's accumulator.
 
-        ``p.grad`` is consumed (set to None), so the next backward starts from zero.
-        Parameters whose ``grad`` is None contribute zero.
+        Without ``weight`` (equal weights), after the first ``accumulate()`` every ``p.grad``
+        is a view of the accumulator, so ``backward()`` adds into it in place and no
+        gradient copy exists (``p.grad`` then holds the round's running sum). Where
+        ``reduce_dtype`` differs from the parameters' dtype a post-accumulate-grad hook folds
+        each gradient as soon as backward produces it, and ``p.grad`` stays None. With
+        ``weight`` the gradient cannot be weighted before the weight is known: ``p.grad`` is
+        kept until this call (one model size more at the end of each backward) and set to
+        None. For unequal weights without that cost, declare the weight before ``backward()``
+        with :meth:`micro_batch`. Parameters without a gradient count as zero.
 
         Args:
-            weight: how many samples (or tokens) the gradient in ``p.grad`` is a mean over
-                (a number or a one-element tensor). The update divides the weighted sum
-                by the total weight over all ranks. A CUDA tensor (e.g. a token count
+            weight: how many samples (or tokens) the gradient is a mean over (a number or a
+                one-element tensor). The update divides the weighted sum by the total weight
+                over all ranks. Default: 1 (equal weights). A CUDA tensor (e.g. a token count
                 computed on the GPU) is never read on the host: it scales the gradients on
                 the device and is checked on the comm lane.
 
         Raises:
             ValueError: ``weight`` is negative, NaN or infinite (for a CUDA tensor: the
-                round fails with ``CommLaneError`` on every rank, naming the invalid weight).
-            RuntimeError: no parameter has a gradient, or the optimizer is finished.
+                round fails with ``CommLaneError`` on every rank, naming the invalid weight);
+                or it differs from the weight this micro-batch's gradients were already
+                folded at during ``backward()`` (the micro-batch then counts with that
+                weight; a CUDA tensor given then always counts as different).
+            RuntimeError: no gradient since the last ``accumulate()``, a call inside a
+                :meth:`micro_batch` block, or the optimizer is finished.
         """
         self._check_usable("accumulate")
-        weight = _checked_weight(weight)
+        self._weights.check_outside_block("accumulate()")
+        value = 1.0 if weight is None else _checked_weight(weight)
         self._check_params_unchanged()
+        self._end_micro_batch(value, explicit=weight is not None)
+        if self._weights.decide(explicit=weight is not None):
+            # Equal weights: from now on p.grad is a view of the accumulator wherever the
+            # dtypes allow (autograd adds into it in place), elsewhere a hook folds it.
+            for group in self._groups:
+                if group.can_view_grads():
+                    group.attach_grad_views()
+
+    @contextmanager
+    def micro_batch(self, weight: float | Tensor = 1.0) -> Iterator[None]:
+        """A micro-batch whose weight is known before its ``backward()``.
+
+        Its gradients are folded, weighted, into the accumulator during ``backward()`` (no
+        ``p.grad`` is kept), and the block's end does what :meth:`accumulate` does::
+
+            with opt.micro_batch(weight=n_tokens):
+                loss_fn(model(x), y).backward()
+
+        Args:
+            weight: how many samples (or tokens) the block's gradient is a mean over.
+
+        Raises:
+            ValueError: ``weight`` is negative, NaN or infinite.
+            RuntimeError: blocks nested, gradients of an earlier ``backward()`` not yet
+                accumulated, no gradient in the block, or ``accumulate()``/``step()``
+                called inside it. An exception inside the block after some gradients were
+                folded leaves a partial micro-batch in the accumulator: every later call
+                raises ``RuntimeError``.
+        """
+        self._check_usable("micro_batch")
+        value = _checked_weight(weight)
+        self._weights.check_outside_block("micro_batch()")
+        if self._weights.folded is not None or any(g.holds_grad() for g in self._groups):
+            raise RuntimeError(
+                "micro_batch(): the gradients of an earlier backward() have not been accumulated: "
+                "call accumulate() before the block"
+            )
+        self._check_params_unchanged()
+        # Inside the block every gradient goes through the hooks, which weight it.
+        views = [group.grad_views for group in self._groups]
+        for group in self._groups:
+            group.detach_grad_views()
+            group.grad_views = False
+        try:
+            with self._weights.block(value):
+                yield
+        finally:
+            for group, attached in zip(self._groups, views):
+                if attached:
+                    group.grad_views = True
+        self._end_micro_batch(value, explicit=True)
+        for group in self._groups:
+            if group.grad_views:
+                group.attach_grad_views()
+
+    def _end_micro_batch(self, weight: float | Tensor, explicit: bool) -> None:
+        folded_at = self._weights.take_folded()
+        if folded_at is not None and explicit and not _same_weight(weight, folded_at):
+            self._count_micro_batch(folded_at)
+            raise ValueError(
+                f"accumulate(weight={weight!r}): this micro-batch's gradients were already folded at weight "
+                f"{folded_at!r} during backward() (the first accumulate() had no weight); it counts with "
+                f"{folded_at!r}. Declare unequal weights before backward(): "
+                "`with opt.micro_batch(weight=w): loss.backward()`"
+            )
         with record_function("acco.accumulate"):
             found = [group.accumulate_grads(weight) for group in self._groups]
-        if not any(found):
+        if folded_at is None and not any(found):
             raise RuntimeError("accumulate() found no gradient in any parameter: call backward() first")
+        self._count_micro_batch(weight)
+
+    def _count_micro_batch(self, weight: float | Tensor) -> None:
         self._pending.add(weight)
         self._round.add(weight)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; raises ``RuntimeError`` when gradients of a
+        ``backward()`` were already folded into the accumulator (they cannot be discarded)."""
+        if self._weights.folded is not None:
+            raise RuntimeError(
+                "zero_grad(): the last backward()'s gradients were folded into acco's accumulator during "
+                "backward() and cannot be discarded; call accumulate() (or skip the backward)"
+            )
+        for group in self._groups:
+            group.detach_grad_views()  # zeroing them would zero the accumulated sum
+        super().zero_grad(set_to_none=set_to_none)
 
     def ready(self) -> bool:
         """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
@@ -437,6 +538,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise TypeError("AccoOptimizer.step() takes no closure")
         self._check_usable("step")
+        self._weights.check_outside_block("step()")
         if self._rounds_launched == 0 and self._round.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
         self._check_params_unchanged()
@@ -476,6 +578,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._resolve_stats(block=True)
             return committed
         finally:
+            for group in self._groups:  # p.grad no longer points into acco's buffers
+                group.detach_grad_views()
             self.close()
 
     def close(self) -> None:
@@ -687,9 +791,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         """One round on the comm lane: weights, reduce-scatter, update, all-gather.
 
         Runs on the lane's worker thread: its host synchronisations (reading the weights,
-        the base optimizer's own) block only the worker. On CUDA the reduce-scatter is
-        enqueued before the weights are read on the host, so it follows the small all-reduce
-        on the device without a host round trip in between.
+        the base optimizer's own) block only the worker.
         """
         stats = round_.stats
         hooks = self._lane.hooks
@@ -700,18 +802,11 @@ class AccoOptimizer(torch.optim.Optimizer):
                 read_local = hooks.host_copy(local)
                 totals = local.clone()
                 self._lane_comm.all_reduce_sum_(totals)
-                read_totals = hooks.host_copy(totals)
-            light = round_.kind is RoundKind.ESTIMATE and self.estimate_dtype is not None
-            with self._phase(stats, "reduce-scatter"):
-                for group, grads in zip(self._groups, round_.grads):
-                    if light:
-                        self._lane_comm.reduce_scatter_quantized(group.grad_shard, grads, self.estimate_dtype)
-                    else:
-                        self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
-            with self._phase(stats, "weights"):
                 limit = self.timeout.total_seconds()
                 _, stats.local_weight, _, _, _ = read_local(limit).tolist()
-                update_weight, global_weight, global_micro_batches, nonfinite, invalid = read_totals(limit).tolist()
+                update_weight, global_weight, global_micro_batches, nonfinite, invalid = (
+                    hooks.host_copy(totals)(limit).tolist()
+                )
                 stats.update_weight, stats.global_weight = update_weight, global_weight
                 stats.global_micro_batches = int(global_micro_batches)
                 if invalid:
@@ -721,14 +816,19 @@ class AccoOptimizer(torch.optim.Optimizer):
                         f"the total weight over all ranks is {update_weight}: no rank called "
                         "accumulate() (with a positive weight) before step()"
                     )
-                if nonfinite:
+                if nonfinite:  # before the reduce-scatter, which may reuse the buffer's other chunks
                     nonfinite = self._confirm_nonfinite(round_.grads)
                 if nonfinite and self.nonfinite is NonFinite.RAISE:
                     raise FloatingPointError(f"non-finite gradients on {int(nonfinite)} rank(s)")
             if nonfinite:
                 return self._skip_round(stats)
+            light = round_.kind is RoundKind.ESTIMATE and self.estimate_dtype is not None
             with self._phase(stats, "reduce-scatter"):
-                for group in self._groups:
+                for group, grads in zip(self._groups, round_.grads):
+                    if light:
+                        self._lane_comm.reduce_scatter_quantized(group.grad_shard, grads, self.estimate_dtype)
+                    else:
+                        self._lane_comm.reduce_scatter_sum(group.grad_shard, grads)
                     torch.div(group.grad_shard, update_weight, out=group.master_grad)
             if self.max_grad_norm is not None:
                 with self._phase(stats, "grad-norm"):
@@ -862,7 +962,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                     "chunk": sharded.plan.chunk,
                     "param_dtype": str(sharded.param_dtype),
                     "reduce_dtype": str(sharded.reduce_dtype),
-                    "master": sharded.master.clone(),
+                    "master": sharded.master_values(in_flight=round_ is not None),
                     "base_state": _base_state(sharded, base),
                     "in_flight_result": None if round_ is None else sharded.gather_input.clone(),
                     "grad_accumulator": sharded.grad_accumulator.clone(),
@@ -923,7 +1023,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         for group, values in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in values.items() if k not in _NOT_HYPERPARAMS})
         for sharded, base, values in zip(self._groups, self._base, saved["groups"]):
-            sharded.master.copy_(values["master"])
+            sharded.load_master_values(values["master"], in_flight=saved["round"]["in_flight_kind"] is not None)
             sharded.grad_accumulator.copy_(values["grad_accumulator"])
             if base is not None:
                 # On the lane, so the state is allocated on the stream that uses and frees it.
@@ -1015,20 +1115,34 @@ def _check_state_dict(optimizer: AccoOptimizer, state_dict: Any) -> dict[str, An
 
 def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict[str, Any], estimate: bool) -> None:
     """Run the base optimizer on this rank's shard; an estimate leaves shard and state as found."""
+    master = group.master  # first, so that master_views point at this round's master shard
     base.param_groups[0].update(hyperparams)
     for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
         param.grad = grad
     if not estimate:
         base.step()
-        group.gather_input.copy_(group.master)
+        group.gather_input.copy_(master)
         return
-    saved_master = group.master.clone()
-    saved_state = {p: {k: _clone(v) for k, v in s.items()} for p, s in base.state.items()}
-    base.step()
-    group.gather_input.copy_(group.master)
-    group.master.copy_(saved_master)
-    base.state.clear()
-    base.state.update(saved_state)
+    if group.estimate_copy is None:
+        group.estimate_copy = ShardCopy()
+    workspace = group.shard_workspace()
+    if workspace is None:  # step the real shard, then put it back from the copy
+        group.estimate_copy.save(group.master, base.state)
+        base.step()
+        group.gather_input.copy_(group.master)
+        group.estimate_copy.restore(group.master, base.state)
+        return
+    # Step a working copy of the shard held in a chunk of the round's buffer that was sent
+    # already: the master shard itself is never touched, so it needs no copy.
+    workspace.copy_(group.master)
+    group.point_master_views(workspace)
+    try:
+        group.estimate_copy.save(None, base.state)
+        base.step()
+        group.gather_input.copy_(workspace)
+        group.estimate_copy.restore(None, base.state)
+    finally:
+        group.point_master_views(group.master)
 
 
 def _checked_weight(weight: Any) -> float | Tensor:
@@ -1157,3 +1271,92 @@ def _probe_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict
     hyper-parameters raise the base optimizer's own error before any collective."""
     probe = optimizer_class([torch.zeros(2, 2, requires_grad=True)], **defaults)
     return dict(probe.defaults)
+
+
+def _same_weight(a: float | Tensor, b: float | Tensor) -> bool:
+    """Whether two weights are known equal without reading a device tensor on the host."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    return a == b
+
+
+class _WeightPolicy:
+    """At which weight the post-accumulate-grad hooks fold gradients during backward().
+
+    ``fold_weight`` None: the hooks leave ``p.grad`` for ``accumulate()`` (the weight is
+    not known yet). The first ``accumulate()`` decides: without a weight (equal weights)
+    every later backward() is folded at weight 1; with one, ``p.grad`` is kept (weights
+    given after backward). A :meth:`AccoOptimizer.micro_batch` block folds at its own
+    weight whatever was decided.
+    """
+
+    def __init__(self) -> None:
+        self.fold_weight: float | Tensor | None = None
+        self.decided = False
+        self.folded: float | Tensor | None = None  # the weight hooks folded this micro-batch's gradients at
+        self.in_block = False
+        self.torn = False  # a block raised after folding part of its gradients
+
+    def decide(self, explicit: bool) -> bool:
+        """Record the first ``accumulate()``; returns True when it chose equal weights."""
+        if self.decided:
+            return False
+        self.decided = True
+        self.fold_weight = None if explicit else 1.0
+        return not explicit
+
+    def take_folded(self) -> float | Tensor | None:
+        """The weight this micro-batch's gradients were folded at (None: none were)."""
+        weight, self.folded = self.folded, None
+        return weight
+
+    def check_outside_block(self, call: str) -> None:
+        if self.torn:
+            raise RuntimeError(
+                f"{call} after a micro_batch() block raised once some of its gradients were folded: the "
+                "accumulator holds a partial micro-batch; build a new AccoOptimizer (or load a checkpoint)"
+            )
+        if self.in_block:
+            raise RuntimeError(f"{call} inside a micro_batch() block (blocks do not nest; the block accumulates when it ends)")
+
+    @contextmanager
+    def block(self, weight: float | Tensor) -> Iterator[None]:
+        previous = self.fold_weight
+        self.fold_weight, self.in_block = weight, True
+        try:
+            yield
+        except BaseException:
+            self.torn = self.folded is not None
+            self.folded = None
+            raise
+        finally:
+            self.fold_weight, self.in_block = previous, False
+
+
+def _fold_hook(optimizer_ref: weakref.ReferenceType, group_index: int, index: int, param: Tensor) -> None:
+    """Post-accumulate-grad hook: fold ``param.grad`` into the accumulator and free it."""
+    optimizer = optimizer_ref()
+    if optimizer is None or optimizer._closed:
+        return
+    weights = optimizer._weights
+    if weights.fold_weight is None:
+        return  # the weight is given after backward(): accumulate() folds p.grad
+    if optimizer._groups[group_index].fold_grad(index, weights.fold_weight):
+        weights.folded = weights.fold_weight
+
+
+def _register_fold_hooks(optimizer: AccoOptimizer) -> list[Any]:
+    """One post-accumulate-grad hook per managed parameter, removed with the optimizer."""
+    ref = weakref.ref(optimizer)
+    handles = [
+        param.register_post_accumulate_grad_hook(functools.partial(_fold_hook, ref, g, i))
+        for g, group in enumerate(optimizer._groups)
+        for i, param in enumerate(group.params)
+    ]
+    weakref.finalize(optimizer, _remove_hooks, handles)
+    return handles
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

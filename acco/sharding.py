@@ -16,12 +16,14 @@ and backend quirks are handled once.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from acco.quantize import dequantize_row, needs_scale, quantize_rows
 __all__ = [
     "Collectives",
     "Layout",
+    "ShardCopy",
     "ShardPlan",
     "ShardedGroup",
     "Slot",
@@ -39,6 +42,11 @@ __all__ = [
     "plan_tensor",
     "plan_layout",
 ]
+
+
+# The gloo reduce-scatter's pieces: the first (its only receive buffer) and the largest.
+_REDUCE_SCATTER_FIRST_PIECE_BYTES = 1 << 20
+_REDUCE_SCATTER_LARGEST_PIECE_BYTES = 16 << 20
 
 
 class Layout(str, enum.Enum):
@@ -132,18 +140,46 @@ def plan_layout(layout: Layout, shapes: Sequence[Sequence[int]], world_size: int
 class ShardedGroup:
     """One param group's live parameters, flat buffers and this rank's master shard.
 
-    Buffers (all ``plan.padded_numel`` long unless said otherwise):
+    Model-size buffers (``plan.padded_numel`` elements):
 
-    - ``grad_accumulator``: where the compute lane folds ``p.grad`` (``weight * grad``);
-    - ``grad_handover``: the gradients a round in flight is reducing; the compute lane
-      never writes it while the round runs;
-    - ``gathered``: the comm lane's all-gather target, copied into the live parameters
-      only at a round boundary;
-    - ``master`` (``plan.chunk`` long, fp32): this rank's shard of the parameters;
-      ``master_views`` are the tensors the base optimizer sees, ``master_grad`` their
-      gradients;
-    - ``grad_shard`` (chunk): this rank's reduce-scatter result; ``gather_input`` (chunk):
-      the updated shard in the parameters' dtype, the all-gather's input.
+    - ``grad_accumulator`` (``reduce_dtype``): where the compute lane folds gradients
+      (``weight * grad``), during backward or at ``accumulate_grads``;
+    - ``grad_handover``: the buffer a round reduces, updates and gathers into. With
+      ``double_buffered`` it is a second buffer, swapped with the accumulator at each
+      hand-over (allocated at the first one), so the compute lane keeps accumulating while
+      the round runs; without it (``sync`` mode, where nothing is computed while a round
+      runs) it *is* the accumulator, zeroed once the round's result is loaded.
+
+    Everything else is a view of the round's buffer once there is more than one rank:
+
+    - ``grad_shard`` = its chunk ``r``: the reduce-scatter runs in place;
+    - ``master_grad``: ``grad_shard`` itself when ``reduce_dtype`` is the master dtype (the
+      gradient is averaged in place), else a chunk-sized buffer in the master dtype;
+    - ``gathered``: the all-gather target, the round's buffer itself once its
+      reduce-scatter has run (nothing reads the gradients any more): as is when
+      ``param_dtype == reduce_dtype``, reinterpreted (its first bytes) when ``param_dtype``
+      is narrower, a separate buffer only when it is wider;
+    - ``gather_input`` = chunk ``r`` of ``gathered``: the all-gather runs in place.
+
+    With one rank there is nothing to communicate and the round's buffer keeps the
+    (unaveraged) gradient sum: ``grad_shard`` is the whole round buffer, and
+    ``master_grad`` and ``gathered`` (= ``gather_input``) are separate buffers.
+
+    ``master`` (``plan.chunk`` long, fp32, fp64 for fp64 parameters) is this rank's shard
+    of the parameters; ``master_views`` are the tensors the base optimizer sees. With
+    ``master_in_params`` (sync and dpu, whose live parameters hold the committed values at
+    every round boundary) and every dtype the master dtype, it is not kept at all: each
+    round copies it from the live parameters into a chunk of the round's buffer already
+    sent (:meth:`shard_workspace`) and steps it there.
+
+    Per rank, with P parameters, N ranks and the bytes of each dtype ``b_*``:
+    ``P b_reduce`` (accumulator) + ``P b_reduce`` (hand-over, not in sync) +
+    ``P/N b_master`` (master shard, not with ``master_in_params``) + ``P/N b_master``
+    (``master_grad``, only when ``b_reduce`` is not the master dtype) + ``P b_param``
+    (``gathered``, only when ``param_dtype`` is wider than ``reduce_dtype``), plus the
+    base optimizer's state for ``P/N`` and, in acco mode, one copy of that state (and of
+    the master shard where no free chunk of the round's buffer can hold the estimate's
+    working copy). :meth:`buffer_bytes` gives the figures.
     """
 
     def __init__(
@@ -153,6 +189,9 @@ class ShardedGroup:
         rank: int,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        *,
+        double_buffered: bool = True,
+        master_in_params: bool = False,
     ) -> None:
         first = params[0]
         self.params = list(params)
@@ -163,20 +202,208 @@ class ShardedGroup:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         # The master shard and the optimizer state are never below fp32.
         self.master_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        # One rank has no collective to run in place, and its round buffer must keep the
+        # gradient sum (so the round's result goes elsewhere).
+        self.in_place = plan.world_size > 1
+        self.double_buffered = double_buffered or not self.in_place
         n, chunk = plan.padded_numel, plan.chunk
         self.grad_accumulator = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
-        self.grad_handover = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
-        self.gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
-        self.master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
-        self.grad_shard = torch.zeros(chunk, dtype=self.reduce_dtype, device=self.device)
-        self.master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
-        self.gather_input = torch.zeros(chunk, dtype=self.param_dtype, device=self.device)
-        self.master_views = self.shard_views(self.master)
+        self.grad_handover: Tensor | None = None if self.double_buffered else self.grad_accumulator
+        # The live parameters hold the committed values at every round boundary in sync and
+        # dpu. When they are in the master dtype (and every buffer too), the master shard is
+        # not kept: each round copies it from the live parameters into a chunk of its own
+        # buffer that was already sent (see master), and the base optimizer steps it there.
+        self.master_in_params = (
+            master_in_params
+            and self.in_place
+            and self.param_dtype == self.reduce_dtype == self.master_dtype == first.dtype
+        )
+        self._rounds = 0  # hand-overs so far; master is reloaded once per round
+        self._master_round = -1
+        if self.master_in_params:
+            self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
+            placeholder = self.grad_accumulator[:chunk]  # no storage of its own; moved each round
+        else:
+            self._master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+            placeholder = self._master
+        self._master_grad: Tensor | None = None
+        if not (self.in_place and self.reduce_dtype == self.master_dtype):
+            self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+        self._gathered: Tensor | None = None
+        if not self.in_place or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
+            self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
+        # Views of master (distinct tensors, also in the flat layout) that the base optimizer
+        # is built on; point_master_views() may move them to a workspace for one update.
+        self.master_views = [view.view(view.shape) for view in self.shard_views(placeholder)]
         self._accumulator_views = self._views(self.grad_accumulator)
-        self._gathered_views = self._views(self.gathered)
+        # Whether p.grad points into the accumulator (autograd then accumulates in place).
+        self.grad_views = False
+        # The estimate round's copy of the master shard and optimizer state (acco mode),
+        # allocated at the first estimate and reused by every later one.
+        self.estimate_copy: ShardCopy | None = None
 
     def _views(self, buffer: Tensor) -> list[Tensor]:
         return [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.plan.slots]
+
+    # --------------------------------------------------------- the round's buffer
+
+    def round_buffer(self) -> Tensor:
+        """The buffer the current (or next replayed) round reduces and gathers into."""
+        if self.grad_handover is None:  # double-buffered, before the first hand-over
+            self.grad_handover = torch.zeros_like(self.grad_accumulator)
+        return self.grad_handover
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's reduce-scatter result: chunk ``r`` of the round's buffer."""
+        buffer = self.round_buffer()
+        if not self.in_place:
+            return buffer
+        start, stop = self.plan.rank_range(self.rank)
+        return buffer[start:stop]
+
+    @property
+    def master_grad(self) -> Tensor:
+        """The averaged gradient the base optimizer reads, in the master dtype."""
+        return self.grad_shard if self._master_grad is None else self._master_grad
+
+    @property
+    def gathered(self) -> Tensor:
+        """The all-gather target, copied into the live parameters at a round boundary."""
+        if self._gathered is not None:
+            return self._gathered
+        buffer = self.round_buffer()
+        if buffer.dtype == self.param_dtype:
+            return buffer
+        # A narrower param_dtype (bf16 parameters, fp32 reduction): the result fits in the
+        # first bytes of the round's buffer, free once its reduce-scatter has run.
+        size = self.plan.padded_numel * self.param_dtype.itemsize
+        return buffer.view(torch.uint8)[:size].view(self.param_dtype)
+
+    @property
+    def gather_input(self) -> Tensor:
+        """This rank's updated shard in ``param_dtype``: chunk ``r`` of ``gathered``."""
+        if not self.in_place:
+            return self.gathered
+        start, stop = self.plan.rank_range(self.rank)
+        return self.gathered[start:stop]
+
+    @property
+    def master(self) -> Tensor:
+        """This rank's master shard (``plan.chunk`` long, master dtype).
+
+        With ``master_in_params`` it exists only on the comm lane during a round: the first
+        access of a round copies this rank's chunk of the live parameters (the committed
+        values) into a chunk of the round's buffer that was already sent, and points the
+        base optimizer's parameters there; the all-gather then carries the result.
+        """
+        if not self.master_in_params:
+            return self._master
+        if self._master_round != self._rounds:
+            workspace = self.shard_workspace()
+            if workspace is None:
+                raise AssertionError("master_in_params without a free chunk in the round's buffer")
+            with torch.no_grad():
+                self._master.set_(workspace)
+                self._params_to_shard(self._master)
+            self.point_master_views(self._master)
+            self._master_round = self._rounds
+        return self._master
+
+    def master_values(self, in_flight: bool) -> Tensor:
+        """A copy of the committed master shard at a round boundary (``in_flight``: a
+        finished round has not been loaded yet; its result is the committed values)."""
+        if not self.master_in_params:
+            return self._master.clone()
+        if in_flight:
+            return self.gather_input.clone()
+        shard = torch.empty(self.plan.chunk, dtype=self.master_dtype, device=self.device)
+        self._params_to_shard(shard)
+        return shard
+
+    def load_master_values(self, values: Tensor, in_flight: bool) -> None:
+        """Restore the committed master shard (``in_flight``: a replayed round brings it)."""
+        if not self.master_in_params:
+            self._master.copy_(values)
+        elif not in_flight:
+            # The master shard is the live parameters' chunk: write it there (the same
+            # values when the model's state was restored too).
+            start, _ = self.plan.rank_range(self.rank)
+            with torch.no_grad():
+                for index, offset, length in self._chunk_pieces():
+                    self.params[index].data.view(-1)[offset - self.plan.slots[index].offset :][:length].copy_(
+                        values[offset - start : offset - start + length]
+                    )
+
+    def _chunk_pieces(self) -> list[tuple[int, int, int]]:
+        """(parameter index, offset in the flat buffer, length) of every piece of a
+        parameter inside this rank's chunk."""
+        start, stop = self.plan.rank_range(self.rank)
+        pieces = []
+        for index, slot in enumerate(self.plan.slots):
+            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                pieces.append((index, lo, hi - lo))
+        return pieces
+
+    def _params_to_shard(self, shard: Tensor) -> None:
+        start, _ = self.plan.rank_range(self.rank)
+        shard.zero_()  # padding
+        pieces = self._chunk_pieces()
+        if pieces:
+            torch._foreach_copy_(
+                [shard[offset - start : offset - start + length] for _, offset, length in pieces],
+                [
+                    self.params[index].detach().reshape(-1)[offset - self.plan.slots[index].offset :][:length]
+                    for index, offset, length in pieces
+                ],
+            )
+
+    def shard_workspace(self) -> Tensor | None:
+        """A chunk of the round's buffer that nothing reads during the update, usable as a
+        chunk-sized tensor in the master dtype; None where there is none.
+
+        Valid between the round's reduce-scatter and its all-gather: every chunk but this
+        rank's has been sent by then, so one of them can hold the estimate's working copy
+        of the master shard. It must overlap neither ``grad_shard`` nor ``gather_input``.
+        """
+        if not self.in_place or self.reduce_dtype != self.master_dtype:
+            return None
+        buffer = self.round_buffer()
+        chunk, size = self.plan.chunk, buffer.element_size()
+        busy = [(self.rank * chunk * size, (self.rank + 1) * chunk * size)]
+        if self._gathered is None:
+            width = self.param_dtype.itemsize
+            busy.append((self.rank * chunk * width, (self.rank + 1) * chunk * width))
+        for step in range(1, self.plan.world_size):
+            index = (self.rank + step) % self.plan.world_size
+            start, stop = index * chunk * size, (index + 1) * chunk * size
+            if all(stop <= a or b <= start for a, b in busy):
+                return buffer[index * chunk : (index + 1) * chunk]
+        return None
+
+    def point_master_views(self, shard: Tensor) -> None:
+        """Make ``master_views`` (the base optimizer's parameters, its state keys) views of
+        ``shard``: the same tensor objects, so the optimizer and its state follow."""
+        with torch.no_grad():
+            for view, target in zip(self.master_views, self.shard_views(shard)):
+                view.set_(target)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each buffer this group holds now (views of another buffer count 0)."""
+        sizes = {
+            "grad_accumulator": self.grad_accumulator.nbytes,
+            "grad_handover": 0
+            if self.grad_handover is None or self.grad_handover is self.grad_accumulator
+            else self.grad_handover.nbytes,
+            "gathered": 0 if self._gathered is None else self._gathered.nbytes,
+            "master": 0 if self.master_in_params else self._master.nbytes,
+            "master_grad": 0 if self._master_grad is None else self._master_grad.nbytes,
+        }
+        sizes["estimate_copy"] = 0 if self.estimate_copy is None else self.estimate_copy.nbytes()
+        return sizes
+
+    # ----------------------------------------------------------------- gradients
 
     def accumulate_grads(self, weight: float | Tensor) -> bool:
         """Add ``weight * p.grad`` into the accumulator and drop ``p.grad``.
@@ -186,8 +413,8 @@ class ShardedGroup:
         """
         targets, grads = [], []
         for param, view in zip(self.params, self._accumulator_views):
-            if param.grad is None:
-                continue  # unused in this micro-batch: contributes zero
+            if param.grad is None or _same_memory(param.grad, view):
+                continue  # unused in this micro-batch (contributes zero), or already in place
             if param.grad.is_sparse:
                 raise TypeError("acco does not support sparse gradients")
             targets.append(view)
@@ -201,19 +428,79 @@ class ShardedGroup:
             torch._foreach_add_(targets, grads, alpha=weight)
         return bool(targets)
 
+    def fold_grad(self, index: int, weight: float | Tensor) -> bool:
+        """Fold parameter ``index``'s ``p.grad`` into its slot of the accumulator, as soon as
+        backward has produced it (the post-accumulate-grad hook's work).
+
+        A ``p.grad`` that is already its accumulator view was accumulated in place by
+        autograd (at weight 1). Any other is added at ``weight`` and replaced by that view
+        (``grad_views``) or dropped. Returns whether there was a gradient.
+        """
+        param, view = self.params[index], self._accumulator_views[index]
+        grad = param.grad
+        if grad is None:
+            return False
+        if _same_memory(grad, view):
+            return True
+        if grad.is_sparse:
+            raise TypeError("acco does not support sparse gradients")
+        if isinstance(weight, Tensor):  # a weight on the device: never read on the host
+            view.add_(grad.detach().mul_(weight.to(torch.promote_types(grad.dtype, torch.float32))))
+        else:
+            view.add_(grad.detach(), alpha=weight)
+        param.grad = view if self.grad_views else None
+        return True
+
+    def can_view_grads(self) -> bool:
+        """Whether ``p.grad`` may be a view of the accumulator (autograd needs p.grad in the
+        parameter's dtype)."""
+        return self.reduce_dtype == self.param_dtype
+
+    def attach_grad_views(self) -> None:
+        """Point every ``p.grad`` at its slot of the accumulator: the next backward adds
+        into it in place, and no separate gradient is allocated."""
+        self.grad_views = True
+        for param, view in zip(self.params, self._accumulator_views):
+            param.grad = view
+
+    def detach_grad_views(self) -> None:
+        """``p.grad`` = None where it is an accumulator view (the sum stays accumulated);
+        ``grad_views`` is left as it is."""
+        for param, view in zip(self.params, self._accumulator_views):
+            if param.grad is not None and _same_memory(param.grad, view):
+                param.grad = None
+
+    def holds_grad(self) -> bool:
+        """Whether some ``p.grad`` holds a gradient not yet in the accumulator."""
+        return any(
+            p.grad is not None and not _same_memory(p.grad, view) for p, view in zip(self.params, self._accumulator_views)
+        )
+
     def hand_over(self, keep_accumulating: bool) -> Tensor:
         """Give the accumulated gradients to a round; returns the buffer the round reads.
 
         With ``keep_accumulating`` (an acco estimate round) the accumulator keeps its
         contents, so the following commit round sees both rounds' gradients; otherwise it
-        starts again from zero.
+        starts again from zero. Single-buffered, the round reads the accumulator itself.
         """
+        self._rounds += 1
+        if not self.double_buffered:
+            if keep_accumulating:
+                raise AssertionError("a single-buffered group cannot keep accumulating during a round")
+            return self.grad_accumulator
+        other = self.grad_handover if self.grad_handover is not None else torch.empty_like(self.grad_accumulator)
         if keep_accumulating:
-            self.grad_handover.copy_(self.grad_accumulator)
+            other.copy_(self.grad_accumulator)
+            self.grad_handover = other
         else:
-            self.grad_handover, self.grad_accumulator = self.grad_accumulator, self.grad_handover
+            self.grad_handover, self.grad_accumulator = self.grad_accumulator, other
             self.grad_accumulator.zero_()
-            self._accumulator_views = self._views(self.grad_accumulator)
+            if self.grad_views:
+                self.detach_grad_views()  # they point into the buffer the round now reads
+                self._accumulator_views = self._views(self.grad_accumulator)
+                self.attach_grad_views()
+            else:
+                self._accumulator_views = self._views(self.grad_accumulator)
         return self.grad_handover
 
     def initial_values(self) -> Tensor:
@@ -226,7 +513,8 @@ class ShardedGroup:
         """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
         which take ``param_dtype`` here (the master keeps full precision)."""
         start, stop = self.plan.rank_range(self.rank)
-        self.master.copy_(values[start:stop])
+        if not self.master_in_params:
+            self._master.copy_(values[start:stop])
         with torch.no_grad():
             for param, value in zip(self.params, self._views(values)):
                 if param.dtype == self.param_dtype:
@@ -245,9 +533,15 @@ class ShardedGroup:
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
 
     def load_params_from_buffer(self) -> None:
-        """Copy ``gathered`` into the live parameters: the only write to them."""
+        """Copy ``gathered`` into the live parameters: the only write to them.
+
+        Single-buffered, ``gathered`` is the accumulator: it is zeroed here, for the next
+        round's gradients.
+        """
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self._gathered_views)
+            torch._foreach_copy_([p.data for p in self.params], self._views(self.gathered))
+        if not self.double_buffered:
+            self.grad_accumulator.zero_()
 
     def shard_views(self, shard: Tensor) -> list[Tensor]:
         """Views of a chunk-sized tensor as the base optimizer sees this rank's shard.
@@ -266,6 +560,73 @@ class ShardedGroup:
         )
 
 
+class ShardCopy:
+    """A copy of a master shard and its base optimizer's state, allocated once.
+
+    An acco estimate round steps the base optimizer on a copy and then puts the real shard
+    and state back: :meth:`save` copies them into tensors allocated at the first call and
+    reused after, :meth:`restore` copies them back into the same tensors the optimizer
+    holds (so nothing is allocated per round, and the state keeps its tensors). When the
+    estimate runs on a workspace copy of the master shard (:meth:`ShardedGroup.shard_workspace`),
+    pass ``master=None``: only the state is copied.
+    """
+
+    def __init__(self) -> None:
+        self._master_copy: Tensor | None = None
+        self._state_copy: dict[Tensor, dict[str, Any]] = {}
+
+    def save(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
+        if master is not None:
+            if self._master_copy is None:
+                self._master_copy = torch.empty_like(master)
+            self._master_copy.copy_(master)
+        saved: dict[Tensor, dict[str, Any]] = {}
+        for param, values in state.items():
+            previous = self._state_copy.get(param, {})
+            saved[param] = {key: _copy_into(previous.get(key), value) for key, value in values.items()}
+        self._state_copy = saved
+
+    def restore(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
+        if master is not None:
+            if self._master_copy is None:
+                raise AssertionError("ShardCopy.restore() of a master shard it never saved")
+            master.copy_(self._master_copy)
+        for param in list(state):
+            if param not in self._state_copy:
+                del state[param]  # created by the step being undone (the first estimate)
+        for param, saved in self._state_copy.items():
+            values = state.setdefault(param, {})
+            for key in list(values):
+                if key not in saved:
+                    del values[key]
+            for key, value in saved.items():
+                current = values.get(key)
+                if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
+                    current.copy_(value)
+                else:
+                    values[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+    def nbytes(self) -> int:
+        total = 0 if self._master_copy is None else self._master_copy.nbytes
+        return total + sum(v.nbytes for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor))
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` is ``b``'s memory (a gradient view of the accumulator)."""
+    if a.is_sparse or a.numel() == 0:
+        return False  # empty tensors may all share one null pointer
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _copy_into(target: Any, value: Any) -> Any:
+    """``value`` copied into ``target`` when it fits, else a fresh copy."""
+    if isinstance(value, Tensor):
+        if isinstance(target, Tensor) and target.shape == value.shape and target.dtype == value.dtype:
+            return target.copy_(value)
+        return value.clone()
+    return copy.deepcopy(value)
+
+
 class Collectives:
     """The collectives acco issues, on one process group (or none for a single process).
 
@@ -280,6 +641,7 @@ class Collectives:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
+        # The gloo reduce-scatter's first-piece receive buffer, per (size, dtype, device).
         self._scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
     @classmethod
@@ -352,24 +714,63 @@ class Collectives:
         return [bytes(r[: int(s.item())].cpu().tolist()) for r, s in zip(received, sizes)]
 
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> None:
-        """``output`` = this rank's chunk of the sum of ``input`` over ranks."""
+        """``output`` = this rank's chunk of the sum of ``input`` over ranks.
+
+        ``output`` may be that chunk of ``input`` itself (in place). The other chunks of
+        ``input`` are undefined afterwards (gloo receives into them once they are sent).
+        """
         if not self.active:
-            output.copy_(input[: output.numel()])
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input[: output.numel()])
             return
         if self._runs_on_gloo(input):
-            # gloo's reduce_scatter moves as many bytes as an all-reduce; an all-to-all
-            # moves each chunk once and the sum is done locally.
-            received = self._scratch_like(input)
-            dist.all_to_all_single(received, input, group=self.group)
-            torch.sum(received.view(self.world_size, -1), dim=0, out=output)
+            self._reduce_scatter_pairwise(output, input)
             return
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group)
 
+    def _reduce_scatter_pairwise(self, output: Tensor, input: Tensor) -> None:
+        # gloo's reduce_scatter moves as many bytes as an all-reduce. Instead, N - 1 steps:
+        # at step k send chunk r + k to its owner and receive rank r - k's copy of chunk r,
+        # piece by piece, adding each piece as it arrives. Each chunk crosses the network
+        # once. Only the first piece needs a receive buffer of its own (1 MiB): every later
+        # one lands in the part of the first step's chunk already sent, which nothing reads
+        # any more, and may be as large as that part (pieces double, up to 16 MiB).
+        rows = input.view(self.world_size, -1)
+        own = rows[self.rank]
+        if output.data_ptr() != own.data_ptr():
+            output.copy_(own)
+        chunk, itemsize = own.numel(), own.element_size()
+        first = max(1, min(chunk, _REDUCE_SCATTER_FIRST_PIECE_BYTES // itemsize))
+        largest = max(first, _REDUCE_SCATTER_LARGEST_PIECE_BYTES // itemsize)
+        scratch = self._scratch_like(own[:first])
+        sent_of_first_step: Tensor | None = None  # the row whose sent prefix is free
+        sent = 0
+        for step in range(1, self.world_size):
+            dst = (self.rank + step) % self.world_size
+            src = (self.rank - step) % self.world_size
+            start = 0
+            while start < chunk:
+                room = first if sent_of_first_step is None else min(largest, sent)
+                stop = min(chunk, start + room)
+                received = scratch[: stop - start] if sent_of_first_step is None else sent_of_first_step[: stop - start]
+                works = [
+                    dist.isend(rows[dst, start:stop], dist.get_global_rank(self.group, dst), group=self.group),
+                    dist.irecv(received, dist.get_global_rank(self.group, src), group=self.group),
+                ]
+                for work in works:
+                    work.wait()
+                output[start:stop].add_(received)
+                if step == 1:
+                    sent_of_first_step, sent = rows[dst], stop
+                start = stop
+
     def all_gather(self, output: Tensor, input: Tensor) -> None:
-        """``output`` = the concatenation of every rank's ``input``."""
+        """``output`` = the concatenation of every rank's ``input``, which may be this
+        rank's chunk of ``output`` itself (in place)."""
         if not self.active:
-            output[: input.numel()].copy_(input)
+            if output.data_ptr() != input.data_ptr():
+                output[: input.numel()].copy_(input)
             return
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(output, input, group=self.group)

@@ -103,9 +103,10 @@ class ModelConfig:
         return asdict(self)
 
 
-def build_model(config: ModelConfig) -> GPT:
+def build_model(config: ModelConfig, dtype: torch.dtype | None = None) -> GPT:
     torch.manual_seed(config.seed)  # the same initial model in every method and on every rank
-    return GPT(config.gpt())
+    model = GPT(config.gpt())
+    return model if dtype is None else model.to(dtype)
 
 
 class Method:
@@ -162,9 +163,12 @@ class DDPMethod(Method):
     """DDP (gradients all-reduced in the last micro-batch's backward, ``no_sync`` before)
     with AdamW on every rank, or with ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, zero: bool) -> None:
+    def __init__(self, config: ModelConfig, micro_batches_per_update: int, zero: bool,
+                 dtype: torch.dtype | None = None, bucket_view: bool = False) -> None:
         self.name = "ddp-zero1" if zero else "ddp-adamw"
-        self.model = DDP(build_model(config))
+        # bucket_view: p.grad are views of DDP's buckets (gradient_as_bucket_view=True), the
+        # lean setting: no separate copy of the gradients.
+        self.model = DDP(build_model(config, dtype), gradient_as_bucket_view=bucket_view)
         self.micro_batches_per_round = micro_batches_per_update
         self.max_grad_norm = config.max_grad_norm
         groups = param_groups(self.model.module, config.weight_decay)
@@ -200,10 +204,11 @@ class AccoMethod(Method):
     """``AccoOptimizer`` in one of its modes; acco's update spans two rounds of half the
     micro-batches, so every method does the same micro-batches per update."""
 
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int) -> None:
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int,
+                 dtype: torch.dtype | None = None) -> None:
         mode = ACCO_METHODS[name]
         self.name = name
-        self.model = build_model(config)
+        self.model = build_model(config, dtype)
         self.rounds_per_update = 2 if mode == "acco" else 1
         self.micro_batches_per_round = micro_batches_per_update // self.rounds_per_update
         self.opt = AccoOptimizer(
@@ -236,16 +241,20 @@ class AccoMethod(Method):
         return self.opt
 
 
-def build_method(name: str, config: ModelConfig, micro_batches_per_update: int) -> Method:
+def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *,
+                 dtype: torch.dtype | None = None, bucket_view: bool = False) -> Method:
+    """``dtype``: the parameters' dtype (default fp32); ``bucket_view``: DDP's
+    ``gradient_as_bucket_view`` (DDP methods only)."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})")
     if name == "roofline":
         return Roofline(config, micro_batches_per_update)
     if name in ("ddp-zero1", "ddp-adamw"):
-        return DDPMethod(config, micro_batches_per_update, zero=name == "ddp-zero1")
+        return DDPMethod(config, micro_batches_per_update, zero=name == "ddp-zero1", dtype=dtype,
+                         bucket_view=bucket_view)
     if micro_batches_per_update % 2 and ACCO_METHODS[name] == "acco":
         raise ValueError(f"{name}: micro-batches per update must be even, got {micro_batches_per_update}")
-    return AccoMethod(name, config, micro_batches_per_update)
+    return AccoMethod(name, config, micro_batches_per_update, dtype)
 
 
 # ------------------------------------------------------------------------- ranks and data

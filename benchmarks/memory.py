@@ -1,20 +1,31 @@
-"""Memory per rank: parameters, gradient buffers, communication buffers, master shard and
-optimizer state of acco's modes against DDP + ZeRO-1 and plain DDP + AdamW, from tensor
-accounting, plus each rank's peak RSS.
+"""Memory per rank: acco's three modes against DDP + ZeRO-1 and plain DDP + AdamW, as
+tensor bytes by kind (at rest and at the end of a backward) and as peak resident memory.
 
-    python benchmarks/memory.py            # 2 and 4 ranks, plain torchrun (no root needed)
+    python benchmarks/memory.py            # 2 and 4 ranks, fp32 and bf16, plain torchrun
 
-Each method trains a few updates in fresh processes (so peak RSS is its own), then, in the
-middle of a round (gradients of a micro-batch just computed, before they are folded into
-acco's buffers), every rank walks the tensors its optimizer holds: attributes, lists and
-dicts, the base optimizer's state, deduplicated by storage, so views are counted once and
-a tensor shared with the model is counted as a parameter. Each tensor goes into a
-category by the name it is held under; anything not recognised is listed under "other"
-with its path, so nothing is hidden. Two things are not reachable from Python and come
-from the libraries' own figures: DDP's gradient buckets (``bucket_sizes`` of
-``DistributedDataParallel._get_ddp_logging_data()``), and acco's estimate-round copies
-(master shard and optimizer state, cloned on the comm lane during an estimate round's
-update; computed from the shard size).
+Each method trains in fresh processes: ``--warmup`` updates (so every lazily allocated
+buffer exists), then ``--updates`` measured updates. Two figures per rank:
+
+- **tensor bytes by kind**, at rest (after ``step()``) and at the end of the last backward
+  of every measured round (the gradients of the round all exist; activations are freed),
+  the larger of the latter reported. Every rank walks the tensors its optimizer holds
+  (attributes, lists, dicts, the base optimizer's state), then the ``p.grad`` of every
+  parameter; each storage is counted once, under the first name it is found by, so views
+  (acco's ``p.grad`` views of its accumulator, the round's in-place reduce-scatter and
+  all-gather) cost nothing. Anything unrecognised is listed under "other" with its path.
+  DDP's buckets are not reachable from Python: without ``gradient_as_bucket_view`` they are
+  taken from DDP's own ``bucket_sizes``; with it they are the ``p.grad`` storages.
+- **peak resident memory added by training**: ``VmHWM`` over the measured updates (reset
+  by writing 5 to ``/proc/self/clear_refs`` once the warm-up is done) minus the resident
+  memory before the model was built, minus the parameters. The ranks run with
+  ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor larger than 64 KiB is its own mapping
+  and freed memory leaves the resident set at once: the peak is the true high-water mark of
+  what is allocated (activations and the base optimizer's temporaries included), on every
+  thread (the comm lane's too).
+
+DDP + ZeRO-1 uses ``gradient_as_bucket_view=True`` (the lean setting its users pick); plain
+DDP uses DDP's defaults. The model is the example's GPT at about 25M parameters with short
+micro-batches, so the buffers, not the activations, dominate.
 """
 
 from __future__ import annotations
@@ -23,7 +34,6 @@ import argparse
 import gc
 import math
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -38,9 +48,13 @@ from torch import Tensor
 
 from acco import AccoOptimizer
 
-METHODS = ("ddp-adamw", "ddp-zero1", "acco-sync", "acco-dpu", "acco")
+METHODS = ("ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CATEGORIES = ("parameters", "gradients", "gradient buffers", "communication buffers", "master shard",
-              "optimizer state", "other")
+              "optimizer state", "estimate copy", "other")
+MALLOC_MMAP_THRESHOLD = "65536"
+# About 25M parameters, short micro-batches: the buffers dominate the activations.
+MEMORY_MODEL = ModelConfig(n_layer=8, n_embd=512, n_head=8, seq_len=64, batch_size=1)
 
 # Where a tensor held by an optimizer belongs, by the attribute it is held under.
 ATTRIBUTE_CATEGORY = {
@@ -48,13 +62,17 @@ ATTRIBUTE_CATEGORY = {
     "grad_handover": "gradient buffers",
     "grads": "gradient buffers",
     "gathered": "communication buffers",
+    "_gathered": "communication buffers",
     "gather_input": "communication buffers",
     "grad_shard": "communication buffers",
     "_scratch": "communication buffers",
     "_buckets": "communication buffers",
     "master": "master shard",
+    "_master": "master shard",
     "master_grad": "master shard",
+    "_master_grad": "master shard",
     "master_views": "master shard",
+    "estimate_copy": "estimate copy",
 }
 
 
@@ -63,20 +81,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--ranks", type=int, nargs="+", default=[2, 4])
     add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    add("--micro-batches", type=int, default=4)
-    add("--updates", type=int, default=3)
+    add("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    add("--micro-batches", type=int, default=2, help="per update (acco: half per round)")
+    add("--warmup", type=int, default=2, help="updates before measuring")
+    add("--updates", type=int, default=1, help="measured updates")
     add("--out", default=None)
+    add("--merge", action="store_true", help="replace the matching runs of --out, keep the others")
     add("--no-report", action="store_true")
     add("--method", default=None, help=argparse.SUPPRESS)
+    add("--dtype", default="fp32", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def rss_bytes() -> int:
+def proc_status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
 
 
 def storage_key(t: Tensor) -> tuple[int, int]:
@@ -127,100 +154,138 @@ class Accounting:
 
 
 def account(method: Any) -> dict[str, Any]:
-    """This rank's bytes per category, mid-round (after a backward, before step)."""
+    """This rank's tensor bytes per category now."""
     model = getattr(method.model, "module", method.model)
     acc = Accounting()
     params = list(model.parameters())
     for p in params:
         acc.add(p, "parameters")
-    for p in params:
-        if p.grad is not None:
-            acc.add(p.grad, "gradients")
     opt = method.optimizer()
-    derived: dict[str, int] = {}
     if opt is not None:
         acc.walk(opt, "opt", None, set())
+    for p in params:
+        if p.grad is not None:  # after the optimizer: acco's p.grad views are its accumulator
+            acc.add(p.grad, "gradients")
     if hasattr(method.model, "_get_ddp_logging_data"):
         data = method.model._get_ddp_logging_data()
+        buckets = sum(int(s) for s in str(data["bucket_sizes"]).split(", ") if s)
         if not data.get("gradient_as_bucket_view"):
-            derived["communication buffers"] = sum(int(s) for s in str(data["bucket_sizes"]).split(", ") if s)
-    state_elements = 0
-    numel = sum(p.numel() for p in params)
+            acc.bytes["gradient buffers"] += buckets
+        elif not any(p.grad is not None for p in params):
+            acc.bytes["gradients"] += buckets  # p.grad = None between steps; the buckets stay
+    return {"bytes": dict(acc.bytes), "total": sum(acc.bytes.values()), "other_tensors": acc.other}
+
+
+def state_elements(opt: Any) -> int:
+    """Elements of one AdamW moment (``exp_avg``) on this rank."""
     if isinstance(opt, AccoOptimizer):
-        bases = [b for b in opt.base_optimizers if b is not None]
-        state_elements = sum(s["exp_avg"].numel() for b in bases for s in b.state.values())
-        if opt.mode.value == "acco":
-            chunk_bytes = sum(plan.chunk for plan in opt.shard_plans) * 4
-            derived["estimate copies (transient, on the lane)"] = 3 * chunk_bytes  # master + exp_avg + exp_avg_sq
-    elif opt is not None:
-        inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
-        state_elements = sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
-    world = dist.get_world_size()
-    return {
-        "bytes": acc.bytes,
-        "derived_bytes": derived,
-        "other_tensors": acc.other,
-        "parameters": numel,
-        "state_elements_per_tensor": state_elements,  # elements of exp_avg on this rank
-        "ceil_p_over_n": math.ceil(numel / world),
-    }
+        return sum(s["exp_avg"].numel() for b in opt.base_optimizers if b is not None for s in b.state.values())
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
+    return sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
 
 
-def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    baseline_rss = rss_bytes()
+def measure(name: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     ctx = start_ranks()
-    config = ModelConfig()
+    config = MEMORY_MODEL
     train_data, _ = training_text(config.seq_len)
     next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
-    method = build_method(name, config, args.micro_batches)
-    rounds = args.updates * method.rounds_per_update
-    for _ in range(rounds):
-        for _ in range(method.micro_batches_per_round):
-            method.micro_batch(*next_batch())
-        method.end_round()
-    # Mid-round: gradients of one micro-batch still in p.grad (acco folds them at accumulate()).
     from examples.train_gpt import loss_fn
 
-    x, y = next_batch()
-    model = method.model
-    if hasattr(model, "no_sync"):
-        with model.no_sync():
-            loss_fn(model, x, y).backward()
+    gc.collect()
+    rss_before_model = proc_status_kib("VmRSS")
+    method = build_method(name, config, args.micro_batches, dtype=DTYPES[dtype_name], bucket_view=name == "ddp-zero1")
+    model = getattr(method.model, "module", method.model)
+    numel = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.nbytes for p in model.parameters())
+
+    def micro_batch(last: bool) -> None:
+        # The methods' own micro_batch(), except that the accounting looks at the tensors
+        # right after the round's last backward (before acco folds or DDP's step frees).
+        if not last:
+            method.micro_batch(*next_batch())
+            return
+        x, y = next_batch()
+        ddp = hasattr(method.model, "no_sync")
+        if ddp:
+            method._count += 1
+        loss = loss_fn(method.model, x, y)
+        (loss / method.micro_batches_per_round if ddp else loss).backward()
+        backward_peaks.append(account(method))
+        if isinstance(method.optimizer(), AccoOptimizer):
+            method.optimizer().accumulate()
+
+    backward_peaks: list[dict[str, Any]] = []
+    rounds_warmup = args.warmup * method.rounds_per_update
+    for r in range(rounds_warmup + args.updates * method.rounds_per_update):
+        if r == rounds_warmup:
+            backward_peaks.clear()
+            gc.collect()
+            dist.barrier()
+            at_rest = account(method)
+            reset_peak_rss()
+        for i in range(method.micro_batches_per_round):
+            micro_batch(last=i == method.micro_batches_per_round - 1)
+        method.end_round()
+    peak_rss = proc_status_kib("VmHWM")
+    opt = method.optimizer()
+    result = {
+        "at_rest": at_rest,
+        "end_of_backward": max(backward_peaks, key=lambda a: a["total"]),
+        "parameters": numel,
+        "param_bytes": param_bytes,
+        "peak_rss_added_bytes": peak_rss - rss_before_model - param_bytes,
+        "peak_rss_bytes": peak_rss,
+        "rss_before_model_bytes": rss_before_model,
+        "state_elements_per_tensor": state_elements(opt),
+        "ceil_p_over_n": math.ceil(numel / ctx.world_size),
+    }
+    if isinstance(opt, AccoOptimizer):
+        if hasattr(opt._groups[0], "buffer_bytes"):  # absent before the memory work
+            result["buffer_bytes"] = [g.buffer_bytes() for g in opt._groups]
+        result["reduce_itemsize"] = opt._groups[0].reduce_dtype.itemsize
     else:
-        loss_fn(model, x, y).backward()
-    accounting = account(method)
-    if isinstance(method.optimizer(), AccoOptimizer):
-        method.optimizer().accumulate()
-    method.end_round()
+        result["reduce_itemsize"] = DTYPES[dtype_name].itemsize
     method.finish()
-    accounting["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    accounting["rss_at_start_bytes"] = baseline_rss
     gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, accounting)
+    dist.all_gather_object(gathered, result)
     # Tear down DDP / ZeRO / acco while the process group still exists: a gloo-backed
     # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
-    del method, model
+    del method, model, opt
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
-    return {"method": name, "ranks": ctx.world_size, "per_rank": gathered}
+    return {"method": name, "dtype": dtype_name, "ranks": ctx.world_size, "per_rank": gathered}
 
 
 def driver(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else RESULTS_DIR / "memory.json"
     started = time.perf_counter()
-    results: dict[str, Any] = {"benchmark": "memory", "config": {**ModelConfig().as_dict(),
-                                                                  "micro_batches_per_update": args.micro_batches},
-                               "runs": []}
+    results: dict[str, Any] = {
+        "benchmark": "memory",
+        "config": {**MEMORY_MODEL.as_dict(), "micro_batches_per_update": args.micro_batches,
+                   "warmup_updates": args.warmup, "measured_updates": args.updates},
+        "torch": torch.__version__,
+        "runs": [],
+    }
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD  # inherited by the ranks
     for ranks in args.ranks:
-        for name in args.methods:
-            print(f"memory: {ranks} ranks, {name}", flush=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                rank_out = Path(tmp) / "run.json"
-                launch(ranks, [str(Path(__file__).resolve()), "--micro-batches", str(args.micro_batches),
-                               "--updates", str(args.updates), "--method", name, "--out", str(rank_out)], netns=False)
-                results["runs"].append(read_json(rank_out))
+        for dtype_name in args.dtypes:
+            for name in args.methods:
+                print(f"memory: {ranks} ranks, {dtype_name}, {name}", flush=True)
+                with tempfile.TemporaryDirectory() as tmp:
+                    rank_out = Path(tmp) / "run.json"
+                    launch(ranks, [str(Path(__file__).resolve()), "--micro-batches", str(args.micro_batches),
+                                   "--warmup", str(args.warmup), "--updates", str(args.updates),
+                                   "--method", name, "--dtype", dtype_name, "--out", str(rank_out)], netns=False)
+                    results["runs"].append(read_json(rank_out))
     results["runtime_s"] = time.perf_counter() - started
+    if args.merge and out.exists():
+        previous = read_json(out)
+        measured = {(r["method"], r["dtype"], r["ranks"]) for r in results["runs"]}
+        kept = [r for r in previous["runs"] if (r["method"], r["dtype"], r["ranks"]) not in measured]
+        order = {(r["method"], r["dtype"], r["ranks"]): i for i, r in enumerate(previous["runs"])}
+        runs = sorted(kept + results["runs"], key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
+        results = {**previous, "runs": runs, "runtime_s": previous["runtime_s"]}
     write_json(out, results)
     print(f"wrote {out} ({results['runtime_s']:.0f} s)")
     if not args.no_report:
@@ -234,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:
         if args.method is None:
             raise SystemExit("a rank launch needs --method")
-        result = measure(args.method, args)
+        result = measure(args.method, args.dtype, args)
         if int(os.environ["RANK"]) == 0:
             write_json(Path(args.out or RESULTS_DIR / f"memory-{args.method}.json"), result)
     else:

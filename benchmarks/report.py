@@ -22,6 +22,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 README = BENCH_DIR / "README.md"
+REPO_README = BENCH_DIR.parent / "README.md"
 
 ORDER = ("roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww")
 LABELS = {
@@ -280,47 +281,117 @@ def plot_convergence(data: dict) -> str:
 
 # --------------------------------------------------------------------------------- memory
 
-MEMORY_LABELS = {"ddp-adamw": "DDP + AdamW", "ddp-zero1": "DDP + ZeRO-1", "acco-sync": "acco `sync`",
+MEMORY_LABELS = {"ddp-zero1": "DDP + ZeRO-1 (bucket view)", "ddp-adamw": "DDP + AdamW", "acco-sync": "acco `sync`",
                  "acco-dpu": "acco `dpu`", "acco": "acco `acco`"}
+MEMORY_KINDS = ["parameters", "gradients", "gradient buffers", "communication buffers", "master shard",
+                "optimizer state", "estimate copy", "other"]
+TARGET_SLACK = 1.1  # model sizes (in the reduce dtype) above ZeRO-1
 
 
-def memory_section(data: dict) -> str:
+def memory_worst(run: dict) -> dict:
+    """The rank with the most tensor bytes at the end of a backward (shards differ a little)."""
+    return max(run["per_rank"], key=lambda r: r["end_of_backward"]["total"])
+
+
+def memory_targets(data: dict) -> list[dict]:
+    """Per run: acco's bytes above DDP + ZeRO-1 in model sizes (reduce dtype), and the target."""
+    zero = {(r["ranks"], r["dtype"]): r for r in data["runs"] if r["method"] == "ddp-zero1"}
     out = []
-    header = ["method", "parameters", "gradients (p.grad)", "gradient buffers", "communication buffers",
-              "master shard", "optimizer state", "other", "total", "transient on the lane", "peak RSS"]
-    by_ranks: dict[int, list] = {}
     for run in data["runs"]:
-        by_ranks.setdefault(run["ranks"], []).append(run)
-    for ranks, runs in sorted(by_ranks.items()):
-        rows, state_rows = [], []
+        zero_run = zero.get((run["ranks"], run["dtype"]))
+        if zero_run is None or not run["method"].startswith("acco"):
+            continue
+        base, worst = memory_worst(zero_run), memory_worst(run)
+        model = worst["parameters"] * worst["reduce_itemsize"]
+        target = TARGET_SLACK
+        if run["method"] == "acco":  # plus one copy of this rank's master shard and optimizer state
+            copy = 4 * worst["state_elements_per_tensor"] + worst["end_of_backward"]["bytes"]["optimizer state"]
+            target += copy / model
+        rss_base = max(r["peak_rss_added_bytes"] for r in zero_run["per_rank"])
+        # acco keeps an fp32 master shard and fp32 optimizer state whatever the parameters'
+        # dtype; ZeRO-1 steps bf16 parameters with bf16 state. What that precision costs:
+        kinds, zero_kinds = worst["end_of_backward"]["bytes"], base["end_of_backward"]["bytes"]
+        precision = kinds["master shard"] + kinds["optimizer state"] - zero_kinds["optimizer state"]
+        out.append({
+            "run": run, "worst": worst, "model": model, "target": target, "precision": precision / model,
+            "tensors": (worst["end_of_backward"]["total"] - base["end_of_backward"]["total"]) / model,
+            "rss": (max(r["peak_rss_added_bytes"] for r in run["per_rank"]) - rss_base) / model,
+        })
+    return out
+
+
+def memory_section(data: dict, baseline: dict | None = None) -> str:
+    out = []
+    cell = lambda v: f"{v / MiB:.1f}"  # noqa: E731
+    targets = {(t["run"]["ranks"], t["run"]["dtype"], t["run"]["method"]): t for t in memory_targets(data)}
+    groups: dict[tuple[int, str], list] = {}
+    for run in data["runs"]:
+        groups.setdefault((run["ranks"], run["dtype"]), []).append(run)
+    for (ranks, dtype), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "fp32")):
+        rows = []
         for run in runs:
-            # The largest rank for each figure (shards may differ in size).
-            worst = max(run["per_rank"], key=lambda r: sum(r["bytes"].values()) + sum(r["derived_bytes"].values()))
-            b = dict(worst["bytes"])
-            derived = worst["derived_bytes"]
-            comm = b["communication buffers"] + derived.get("communication buffers", 0)
-            transient = derived.get("estimate copies (transient, on the lane)", 0)
-            total = sum(b.values()) + derived.get("communication buffers", 0)
-            cell = lambda v: f"{v / MiB:.1f}"  # noqa: E731
+            worst = memory_worst(run)
+            b = worst["end_of_backward"]["bytes"]
+            model = worst["parameters"] * worst["reduce_itemsize"]
+            rss = max(r["peak_rss_added_bytes"] for r in run["per_rank"])
+            t = targets.get((ranks, dtype, run["method"]))
             rows.append([
-                MEMORY_LABELS[run["method"]], cell(b["parameters"]), cell(b["gradients"]), cell(b["gradient buffers"]),
-                cell(comm) + (" (DDP buckets)" if derived.get("communication buffers") else ""),
-                cell(b["master shard"]), cell(b["optimizer state"]), cell(b["other"]), cell(total),
-                cell(transient) if transient else "",
-                f"{max(r['peak_rss_bytes'] for r in run['per_rank']) / MiB:.0f}",
+                MEMORY_LABELS[run["method"]], *[cell(b[k]) for k in MEMORY_KINDS],
+                f"**{cell(worst['end_of_backward']['total'])}** ({worst['end_of_backward']['total'] / model:.2f})",
+                cell(worst["at_rest"]["total"]),
+                f"{rss / MiB:.0f} ({rss / model:.2f})",
+                "" if t is None else f"{t['tensors']:+.2f} / {t['rss']:+.2f} (<= {t['target']:.2f}: "
+                + ("met" if max(t["tensors"], t["rss"]) <= t["target"] else "**not met**") + ")"
+                + ("" if dtype == "fp32" else
+                   f"; of which fp32 master/state over ZeRO-1's bf16 state {t['precision']:+.2f}, the rest "
+                   f"{t['tensors'] - t['precision']:+.2f}: " + ("met" if t["tensors"] - t["precision"] <= t["target"]
+                                                                 else "**not met**")),
             ])
-            elements = [r["state_elements_per_tensor"] for r in run["per_rank"]]
-            p, ceil = worst["parameters"], worst["ceil_p_over_n"]
-            state_rows.append([
-                MEMORY_LABELS[run["method"]], f"{p:,}", f"{ceil:,}",
-                ", ".join(f"{e:,}" for e in elements),
-                f"{max(elements) - ceil:+,}",
-            ])
-        note = " (oversubscribed)" if ranks > 2 else ""
-        out += [f"**{ranks} ranks{note}**, MiB per rank (the largest rank)", "", table(header, rows), "",
-                "Optimizer state per rank (elements of one AdamW moment, `exp_avg`; `exp_avg_sq` is the same):", "",
-                table(["method", "P", "ceil(P/N)", "per rank", "largest - ceil(P/N)"], state_rows), ""]
+        note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > 2 else ""
+        out += [f"**{ranks} ranks, {dtype} parameters{note}**: MiB per rank (the largest rank); in brackets, model "
+                "sizes (P x bytes of the reduce dtype)", "",
+                table(["method", *MEMORY_KINDS, "total, end of a backward", "total at rest",
+                       "peak RSS added", "above ZeRO-1: tensors / RSS, model sizes (target)"], rows), ""]
+    if baseline:
+        rows = []
+        before = {(r["ranks"], r["dtype"], r["method"]): r for r in baseline["runs"]}
+        for run in data["runs"]:
+            old = before.get((run["ranks"], run["dtype"], run["method"]))
+            if old is None:
+                continue
+            new_w, old_w = memory_worst(run), memory_worst(old)
+            rows.append([f"{run['ranks']}", run["dtype"], MEMORY_LABELS[run["method"]],
+                         f"{cell(old_w['end_of_backward']['total'])} -> {cell(new_w['end_of_backward']['total'])}",
+                         f"{max(r['peak_rss_added_bytes'] for r in old['per_rank']) / MiB:.0f} -> "
+                         f"{max(r['peak_rss_added_bytes'] for r in run['per_rank']) / MiB:.0f}"])
+        out += ["Before (commit 999678c, `results/memory-baseline.json`) -> after, MiB per rank:", "",
+                table(["ranks", "params", "method", "tensors, end of a backward", "peak RSS added"], rows), ""]
     return "\n".join(out)
+
+
+def memory_summary(data: dict, baseline: dict | None) -> str:
+    """The repository README's figures: tensors per rank before and after, against ZeRO-1."""
+    before = {(r["ranks"], r["dtype"], r["method"]): r for r in (baseline or {}).get("runs", [])}
+    targets = {(t["run"]["ranks"], t["run"]["dtype"], t["run"]["method"]): t for t in memory_targets(data)}
+    rows = []
+    for run in data["runs"]:
+        key = (run["ranks"], run["dtype"], run["method"])
+        worst = memory_worst(run)
+        model = worst["parameters"] * worst["reduce_itemsize"]
+        old = before.get(key)
+        t = targets.get(key)
+        rows.append([
+            str(run["ranks"]), run["dtype"], MEMORY_LABELS[run["method"]],
+            "" if old is None else f"{memory_worst(old)['end_of_backward']['total'] / model:.2f}",
+            f"{worst['end_of_backward']['total'] / model:.2f}",
+            f"{max(r['peak_rss_added_bytes'] for r in run['per_rank']) / model:.2f}",
+            "" if t is None else f"{t['tensors']:+.2f} (target <= {t['target']:.2f}: "
+            + ("met" if max(t["tensors"], t["rss"]) <= t["target"] else "not met") + ")",
+        ])
+    return ("In model sizes (P x bytes of the reduce dtype), per rank, the largest rank; P = "
+            f"{memory_worst(data['runs'][0])['parameters'] / 1e6:.1f}M; before = commit 999678c:\n\n"
+            + table(["ranks", "params", "method", "tensors before", "tensors after (end of a backward)",
+                     "peak RSS added", "above ZeRO-1"], rows))
 
 
 # -------------------------------------------------------------------------------- profile
@@ -700,8 +771,13 @@ def targets_section(throughputs: list[dict], convergence_runs: dict[str, dict], 
                 add("(for reference) normalised update difference to sync, acco / dpu (paper: 0.07-0.11 for acco)",
                     f"{diff['mean']:.3f} / {dpu_diff:.3f}" if dpu_diff is not None else f"{diff['mean']:.3f}", None)
     if memory:
+        for t in memory_targets(memory):
+            run = t["run"]
+            add(f"{run['ranks']} ranks, {run['dtype']}: {MEMORY_LABELS[run['method']]} peak per rank <= ZeRO-1 + "
+                f"{t['target']:.2f} model sizes (tensors at the end of a backward / peak RSS)",
+                f"{t['tensors']:+.2f} / {t['rss']:+.2f}", max(t["tensors"], t["rss"]) <= t["target"])
         for run in memory["runs"]:
-            if run["method"] != "acco":
+            if run["method"] != "acco" or run.get("dtype", "fp32") != "fp32":
                 continue
             worst = max(r["state_elements_per_tensor"] for r in run["per_rank"])
             ceil = run["per_rank"][0]["ceil_p_over_n"]
@@ -815,7 +891,7 @@ def main(argv: list[str] | None = None) -> None:
     if convergence:
         blocks["convergence"] = convergence_section(convergence) + f"\n\n![convergence](results/{plot_convergence(convergence)})"
     if memory:
-        blocks["memory"] = memory_section(memory)
+        blocks["memory"] = memory_section(memory, load("memory-baseline"))
     if profiles:
         blocks["profile"] = "\n\n".join(profile_section(p) for p in profiles)
     gpu = load("gpu_overlap")
@@ -832,6 +908,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, body in blocks.items():
         text = replace_block(text, name, body)
     README.write_text(text)
+    if memory:  # the repository README's memory figures
+        root = REPO_README.read_text()
+        REPO_README.write_text(replace_block(root, "memory-summary", memory_summary(memory, load("memory-baseline"))))
     print(f"report: updated {README} ({', '.join(blocks)})")
 
 

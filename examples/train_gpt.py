@@ -506,8 +506,11 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
                 loss_fn(model, x, y).backward()
                 opt.zero_grad()
         loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.accumulate(weight=x.numel())  # the loss is a mean over this many tokens
+        # The loss is a mean over this many tokens. Declared before backward(), the weight
+        # lets acco fold each gradient into its accumulator as backward() produces it (no
+        # p.grad is kept); the block's end does what opt.accumulate(weight=...) does.
+        with opt.micro_batch(weight=x.numel()):
+            loss.backward()
         progress.micro_batch(loss)
 
     def end_round(next_round: int) -> None:
