@@ -723,6 +723,13 @@ class Collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input[: output.numel()])
             return
+        if self._runs_on_gloo(input) and input.is_cuda:
+            # gloo's send/recv take CPU tensors only; its all-to-all stages CUDA tensors
+            # through the host (at the cost of a model-size receive buffer).
+            received = self._scratch_like(input)
+            dist.all_to_all_single(received, input, group=self.group)
+            torch.sum(received.view(self.world_size, -1), dim=0, out=output)
+            return
         if self._runs_on_gloo(input):
             self._reduce_scatter_pairwise(output, input)
             return

@@ -25,7 +25,16 @@ from tests.test_parity import assert_identical_across_ranks, assert_params_close
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = datetime.timedelta(seconds=30)
-SENDS = {"all_reduce": 0, "all_to_all_single": 1, "all_gather_into_tensor": 1, "all_gather_single": 1}
+# Where each function's send buffer is, and how many times its bytes cross the wire from
+# this rank, per rank in the group: an all-to-all keeps one chunk of N, an all-gather sends
+# its input to N - 1 ranks, a point-to-point send (the gloo reduce-scatter) once.
+SENDS = {
+    "all_reduce": (0, lambda n: 1),
+    "all_to_all_single": (1, lambda n: (n - 1) / n),
+    "all_gather_into_tensor": (1, lambda n: n - 1),
+    "all_gather_single": (1, lambda n: n - 1),
+    "isend": (0, lambda n: 1),
+}
 
 
 class CountedSends:
@@ -34,15 +43,16 @@ class CountedSends:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self._originals = {}
-        for name, index in SENDS.items():
+        for name, (index, share) in SENDS.items():
             if not hasattr(dist, name):
                 continue
             original = self._originals[name] = getattr(dist, name)
 
-            def counted(*args, _original=original, _name=name, _index=index, **kwargs):  # type: ignore[no-untyped-def]
+            def counted(*args, _original=original, _name=name, _index=index, _share=share, **kwargs):  # type: ignore[no-untyped-def]
                 if threading.current_thread().name == "acco-comm-lane":
                     sent = args[_index]
-                    self.calls.append((_name, sent.numel() * sent.element_size()))
+                    wire = sent.numel() * sent.element_size() * _share(dist.get_world_size())
+                    self.calls.append((_name, round(wire)))
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)
@@ -52,9 +62,9 @@ class CountedSends:
             setattr(dist, name, original)
 
     def per_round(self) -> list[int]:
-        """Bytes of each round's reduce-scatter and all-gather (scales included). A round
-        opens with the all-reduce of its 5 float64 weights (40 bytes, left out: a ZeRO-1
-        update needs its own count of samples too)."""
+        """Bytes each round's reduce-scatter and all-gather put on the wire from this rank
+        (scales included). A round opens with the all-reduce of its 5 float64 weights (40
+        bytes, left out: a ZeRO-1 update needs its own count of samples too)."""
         rounds: list[int] = []
         for name, size in self.calls:
             if name == "all_reduce" and size == 40:
@@ -138,11 +148,11 @@ def test_an_estimate_round_moves_a_fraction_of_the_bytes(ranks, dtype, estimate_
     full = ranks(3).run(bytes_rank, None)[0]
     light = ranks(3).run(bytes_rank, dtype)[0]
     assert len(full) == len(light) == 6  # estimate, commit, estimate, ...
-    assert full[0] == full[1], "without the option an estimate round moves what a commit round moves"
+    assert abs(full[0] - full[1]) <= 8, "without the option an estimate round moves what a commit round moves"
     commit = light[1]
     assert light[1::2] == full[1::2], "commit rounds are unchanged"
     for estimate in light[0::2]:
         assert estimate <= estimate_share * commit * 1.01, (light, full)
     # A ZeRO-1 update moves one commit round's reduce-scatter + all-gather.
     assert (light[0] + light[1]) / commit <= update_vs_zero1, (light, full)
-    assert (full[0] + full[1]) / commit == 2.0
+    assert abs((full[0] + full[1]) / commit - 2.0) < 1e-3

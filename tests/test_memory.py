@@ -145,7 +145,7 @@ def test_a_weight_after_a_folded_backward_is_an_error():
     loss_fn(model, *micro_batch(0, 0, 1)).backward()
     with pytest.raises(ValueError, match=r"already folded at weight 1\.0.*micro_batch\(weight=w\)"):
         opt.accumulate(weight=3.0)
-    assert opt._round_weight == 2.0 and opt._round_micro_batches == 2  # counted at its real weight
+    assert opt._round.total() == 2.0 and opt._round.micro_batches == 2  # counted at its real weight
     loss_fn(model, *micro_batch(0, 0, 2)).backward()
     opt.accumulate(weight=1.0)  # the weight it was folded at: fine
     opt.finish()
@@ -199,7 +199,7 @@ def test_micro_batch_without_backward_or_with_pending_gradients():
     opt.accumulate()
     with opt.micro_batch(weight=2.0):
         loss_fn(model, *micro_batch(0, 0, 2)).backward()
-    assert opt._round_weight == 4.0
+    assert opt._round.total() == 4.0
     # After the block p.grad is the accumulator's view again (equal weights resume).
     loss_fn(model, *micro_batch(0, 0, 3)).backward()
     assert all(inside(p.grad, opt._groups[0].grad_accumulator) for p in model.parameters())
