@@ -47,6 +47,7 @@ __all__ = [
 # The gloo reduce-scatter's pieces: the first (its only receive buffer) and the largest.
 _REDUCE_SCATTER_FIRST_PIECE_BYTES = 1 << 20
 _REDUCE_SCATTER_LARGEST_PIECE_BYTES = 16 << 20
+_REDUCE_SCATTER_ONE_PIECE_BYTES = 16 << 20  # chunks up to this size go in one piece
 
 
 class Layout(str, enum.Enum):
@@ -748,7 +749,12 @@ class Collectives:
         if output.data_ptr() != own.data_ptr():
             output.copy_(own)
         chunk, itemsize = own.numel(), own.element_size()
-        first = max(1, min(chunk, _REDUCE_SCATTER_FIRST_PIECE_BYTES // itemsize))
+        # A chunk of a few MiB goes in one piece (a chunk-sized buffer, small then): pieces
+        # are round trips, and a small model's reduce-scatter is latency-bound.
+        if chunk * itemsize <= _REDUCE_SCATTER_ONE_PIECE_BYTES:
+            first = chunk
+        else:
+            first = max(1, _REDUCE_SCATTER_FIRST_PIECE_BYTES // itemsize)
         largest = max(first, _REDUCE_SCATTER_LARGEST_PIECE_BYTES // itemsize)
         scratch = self._scratch_like(own[:first])
         sent_of_first_step: Tensor | None = None  # the row whose sent prefix is free

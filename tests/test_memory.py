@@ -354,3 +354,38 @@ def test_cuda_round_memory_agrees_with_the_formula(mode):
     # the same measurement sees it.
     kept = _cuda_round_peak(mode, explicit_weight=True)
     assert kept["round_extra"] >= 0.95 * kept["model_bytes"], kept
+
+
+def pairwise_reduce_scatter_rank(numel: int, first_bytes: int, largest_bytes: int) -> dict:
+    """The gloo reduce-scatter in small pieces (thresholds lowered), in place, against a sum."""
+    import acco.sharding as sharding
+
+    saved = (sharding._REDUCE_SCATTER_ONE_PIECE_BYTES, sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES,
+             sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES)
+    sharding._REDUCE_SCATTER_ONE_PIECE_BYTES = 0
+    sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES, sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES = first_bytes, largest_bytes
+    try:
+        comm = sharding.Collectives(dist.group.WORLD)
+        n, r = comm.world_size, comm.rank
+        chunk = -(-numel // n)
+        inputs = [torch.randn(chunk * n, generator=torch.Generator().manual_seed(k)) for k in range(n)]
+        buffer = inputs[r].clone()
+        comm.reduce_scatter_sum(buffer[r * chunk : (r + 1) * chunk], buffer)
+        expected = torch.stack(inputs).sum(0)[r * chunk : (r + 1) * chunk]
+        scratch = sum(t.numel() for t in comm._scratch.values())
+        comm.all_gather(buffer, buffer[r * chunk : (r + 1) * chunk])
+        return {"error": float((buffer[r * chunk : (r + 1) * chunk] - expected).abs().max()),
+                "gathered": buffer, "scratch": scratch, "first": first_bytes // 4}
+    finally:
+        (sharding._REDUCE_SCATTER_ONE_PIECE_BYTES, sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES,
+         sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES) = saved
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gloo_reduce_scatter_in_pieces_is_exact_with_a_piece_sized_buffer(ranks, world_size):
+    # 1001 elements per rank's chunk: pieces of 16, 16, 32, 64, ... up to 128 elements.
+    results = ranks(world_size).run(pairwise_reduce_scatter_rank, 1001 * world_size, 64, 512)
+    for result in results:
+        assert result["error"] < 1e-5
+        assert result["scratch"] == result["first"]  # the only receive buffer: one first piece
+        assert torch.equal(result["gathered"], results[0]["gathered"])  # in-place all-gather
