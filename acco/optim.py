@@ -860,7 +860,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         without reading anything from the device."""
         update, local = round_.update_weights, round_.round_weights
         host = torch.tensor([update.host, local.host, local.micro_batches, 0.0, 0.0], dtype=torch.float64)
-        totals = self._lane.hooks.to_device(host) if round_.grads[0].is_cuda else host
+        totals = self._lane.hooks.to_device(host)
         if update.device is not None:
             totals[0] += update.device[0]
         if local.device is not None:

@@ -423,7 +423,7 @@ class ShardedGroup:
             param.grad = None
         if targets and isinstance(weight, Tensor):
             # p.grad is consumed anyway: scale it in place, in fp32 at least.
-            torch._foreach_mul_(grads, weight.to(torch.promote_types(grads[0].dtype, torch.float32)))
+            torch._foreach_mul_(grads, _scale_for(grads[0], weight))
             torch._foreach_add_(targets, grads)
         elif targets:
             torch._foreach_add_(targets, grads, alpha=weight)
@@ -446,7 +446,7 @@ class ShardedGroup:
         if grad.is_sparse:
             raise TypeError("acco does not support sparse gradients")
         if isinstance(weight, Tensor):  # a weight on the device: never read on the host
-            view.add_(grad.detach().mul_(weight.to(torch.promote_types(grad.dtype, torch.float32))))
+            view.add_(grad.detach().mul_(_scale_for(grad, weight)))
         else:
             view.add_(grad.detach(), alpha=weight)
         param.grad = view if self.grad_views else None
@@ -610,6 +610,12 @@ class ShardCopy:
     def nbytes(self) -> int:
         total = 0 if self._master_copy is None else self._master_copy.nbytes
         return total + sum(v.nbytes for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor))
+
+
+def _scale_for(grad: Tensor, weight: Tensor) -> Tensor:
+    """A device weight in the dtype to scale ``grad`` by: at least fp32, so a bf16 gradient
+    is not multiplied by a rounded weight."""
+    return weight.to(torch.promote_types(grad.dtype, torch.float32))
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:

@@ -92,6 +92,11 @@ class DeviceHooks(Protocol):
         the host copy (raises ``TimeoutError``). On the worker only."""
 
 
+def _copied_now(tensor: torch.Tensor) -> Callable[[float], torch.Tensor]:
+    host = tensor.to("cpu", copy=True)  # a copy: the caller may change ``tensor`` in place next
+    return lambda timeout: host
+
+
 class _HostStamp:
     def __init__(self) -> None:
         self._time = time.perf_counter()
@@ -131,8 +136,7 @@ class CpuHooks:
         return host
 
     def host_copy(self, tensor: torch.Tensor) -> Callable[[float], torch.Tensor]:
-        host = tensor.to("cpu", copy=True)
-        return lambda timeout: host
+        return _copied_now(tensor)
 
 
 class _EventStamp:
@@ -216,10 +220,9 @@ class CudaHooks:
 
     def host_copy(self, tensor: torch.Tensor) -> Callable[[float], torch.Tensor]:
         if tensor.device.type != "cuda":
-            host = tensor.to("cpu", copy=True)
-            return lambda timeout: host
-        # Pinned and non-blocking: enqueued, not waited for, so the worker can enqueue more
-        # (the reduce-scatter) before it reads the values.
+            return _copied_now(tensor)
+        # Pinned and non-blocking: enqueued, not waited for; the worker polls its event with
+        # a deadline instead of blocking in a synchronisation that cannot time out.
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         copied = torch.cuda.current_stream(self.device).record_event()
