@@ -110,14 +110,18 @@ class RoundStats:
         update_weight: the global weight the update divided by (an acco commit covers two
             rounds).
         lane_start / lane_end: when the comm lane started and finished the round.
-        phase_seconds: time spent in each lane phase (``weights``, ``reduce-scatter``,
-            ``update``, ``all-gather``).
+        phase_seconds: time spent in each lane phase (``totals``: the small all-reduce of
+            weights and flags, ``reduce-scatter``, ``update``, ``all-gather``).
+        phase_cpu_seconds: CPU time the lane's thread spent in each phase (host time only;
+            on CPU the rest of a phase's time is waiting for the network).
         wait_seconds / wait_start / wait_end: how long (and when) the compute lane
             blocked in ``step()`` for this round.
         skipped: the round saw non-finite gradients and, with ``nonfinite="skip"``,
             changed nothing.
         grad_norm: the global 2-norm of the averaged gradient before clipping (only with
             ``max_grad_norm``; a ``grad-norm`` phase then appears in ``phase_seconds``).
+        replayed: the round was re-created by ``load_state_dict()`` from a checkpoint's
+            round in flight: it only all-gathers its saved result again.
     """
 
     index: int
@@ -135,6 +139,8 @@ class RoundStats:
     wait_end: float = math.nan
     grad_norm: float = math.nan
     skipped: bool = False
+    replayed: bool = False
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     phase: str = "queued"
     # Filled in by _resolve() once the device has passed them (at once on CPU).
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)
@@ -630,6 +636,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Where each param group's parameters sit in its flat buffer, and who owns what."""
         return [group.plan for group in self._groups]
 
+    def buffer_bytes(self) -> list[dict[str, int]]:
+        """Bytes of each buffer acco holds now, per param group (see docs/design.md,
+        "Buffers and memory"): ``grad_accumulator``, ``grad_handover``, ``gathered``,
+        ``master``, ``master_grad``, ``estimate_copy``; a view of another buffer counts 0."""
+        return [group.buffer_bytes() for group in self._groups]
+
     @property
     def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
         """The base optimizer of each param group on this rank's shard (None: owns nothing)."""
@@ -797,7 +809,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         hooks = self._lane.hooks
         stats._stamps["lane_start"] = hooks.stamp()
         try:
-            with self._phase(stats, "weights"):
+            with self._phase(stats, "totals"):
                 local = self._round_totals(round_)
                 read_local = hooks.host_copy(local)
                 totals = local.clone()
@@ -907,10 +919,11 @@ class AccoOptimizer(torch.optim.Optimizer):
     @contextmanager
     def _phase(self, stats: RoundStats, name: str) -> Iterator[None]:
         stats.phase = name
-        started = self._lane.hooks.stamp()
+        started, cpu = self._lane.hooks.stamp(), time.thread_time()
         with record_function(f"acco.{name}"):
             yield
         stats._phases.append((name, started, self._lane.hooks.stamp()))
+        stats.phase_cpu_seconds[name] = stats.phase_cpu_seconds.get(name, 0.0) + time.thread_time() - cpu
 
     def _build_base(self, index: int, defaults: dict[str, Any]) -> torch.optim.Optimizer | None:
         views = self._groups[index].master_views
@@ -1045,7 +1058,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     def _replay_in_flight(self, kind: RoundKind) -> None:
         """Re-create the saved round in flight: its result only needs all-gathering again."""
-        stats = RoundStats(self._rounds_launched - 1, kind, 0, 0.0)
+        stats = RoundStats(self._rounds_launched - 1, kind, 0, 0.0, replayed=True)
         round_ = _Round(kind, [], _Weights(), _Weights(), hyperparams=[], stats=stats)
 
         def all_gather() -> RoundStats:

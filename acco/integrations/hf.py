@@ -546,7 +546,7 @@ class AccoTrainer(Trainer):
         if rounds:
             self._last_logged_round = rounds[-1].index
         # A round replayed from a checkpoint only all-gathers again: it computed nothing here.
-        rounds = [s for s in rounds if "weights" in s.phase_seconds]
+        rounds = [s for s in rounds if not s.replayed]
         out: dict[str, float] = {}
         if rounds:
             out["acco_hidden_share"] = statistics.fmean(s.hidden_share for s in rounds)
