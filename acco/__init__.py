@@ -1,7 +1,13 @@
-"""acco: data-parallel training that accumulates while it communicates (ACCO, NeurIPS 2025)."""
+"""acco: data-parallel training that accumulates while it communicates (ACCO, NeurIPS 2025).
 
-from acco.optim import AccoOptimizer, CommLaneError, Mode, NonFinite, RoundKind, RoundStats
-from acco.sharding import Layout
+See docs/design.md for the algorithm and a map of the modules.
+"""
+
+from acco.layout import Layout
+from acco.optim import AccoOptimizer
+from acco.options import Mode, NonFinite
+from acco.rounds import CommLaneError, RoundKind
+from acco.telemetry import RoundStats
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Layout", "Mode", "NonFinite", "RoundKind", "RoundStats"]
 __version__ = "0.1.0"

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 
-from acco.optim import AccoOptimizer, _check_state_dict
-from acco.sharding import Layout, ShardPlan, plan_layout
+from acco.optim import AccoOptimizer
+from acco.layout import Layout, ShardPlan, plan_layout
 
 __all__ = ["full_state_dict", "latest_checkpoint", "load", "reshard", "save"]
 
@@ -69,7 +69,7 @@ def save(
     """
     final = Path(directory)
     partial = final.with_name(final.name + _PARTIAL)
-    comm = optimizer._comm
+    comm = optimizer.collectives
     if comm.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def load(
 
     saved = [_unflatten(state, f"acco.rank{r}") for r in ranks]
     target = reshard(saved, optimizer) if _needs_reshard(saved, optimizer) else saved[optimizer.rank]
-    _check_state_dict(optimizer, target)  # the checks load_state_dict runs, before the model changes
+    optimizer.check_state_dict(target)  # the checks load_state_dict runs, before the model changes
     model_state = None
     if model is not None:
         model_state = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
@@ -183,7 +183,7 @@ def full_state_dict(optimizer: AccoOptimizer) -> dict[str, Any] | None:
     local = optimizer.state_dict()
     buffer = io.BytesIO()
     torch.save(local, buffer)
-    gathered = optimizer._comm.gather_bytes(buffer.getvalue())
+    gathered = optimizer.collectives.gather_bytes(buffer.getvalue())
     if gathered is None:
         return None
     saved = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
@@ -409,8 +409,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _dcp_group(optimizer: AccoOptimizer) -> dict[str, Any]:
-    if optimizer._comm.active:
-        return {"process_group": optimizer._comm.group}
+    if optimizer.collectives.active:
+        return {"process_group": optimizer.collectives.group}
     return {"no_dist": True}
 
 

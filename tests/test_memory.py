@@ -145,7 +145,7 @@ def test_a_weight_after_a_folded_backward_is_an_error():
     loss_fn(model, *micro_batch(0, 0, 1)).backward()
     with pytest.raises(ValueError, match=r"already folded at weight 1\.0.*micro_batch\(weight=w\)"):
         opt.accumulate(weight=3.0)
-    assert opt._round.total() == 2.0 and opt._round.micro_batches == 2  # counted at its real weight
+    assert opt._schedule.current.total() == 2.0 and opt._schedule.current.micro_batches == 2  # counted at its real weight
     loss_fn(model, *micro_batch(0, 0, 2)).backward()
     opt.accumulate(weight=1.0)  # the weight it was folded at: fine
     opt.finish()
@@ -199,7 +199,7 @@ def test_micro_batch_without_backward_or_with_pending_gradients():
     opt.accumulate()
     with opt.micro_batch(weight=2.0):
         loss_fn(model, *micro_batch(0, 0, 2)).backward()
-    assert opt._round.total() == 4.0
+    assert opt._schedule.current.total() == 4.0
     # After the block p.grad is the accumulator's view again (equal weights resume).
     loss_fn(model, *micro_batch(0, 0, 3)).backward()
     assert all(inside(p.grad, opt._groups[0].grad_accumulator) for p in model.parameters())
@@ -358,27 +358,21 @@ def test_cuda_round_memory_agrees_with_the_formula(mode):
 
 def pairwise_reduce_scatter_rank(numel: int, first_bytes: int, largest_bytes: int) -> dict:
     """The gloo reduce-scatter in small pieces (thresholds lowered), in place, against a sum."""
-    import acco.sharding as sharding
+    from acco.collectives import Collectives
 
-    saved = (sharding._REDUCE_SCATTER_ONE_PIECE_BYTES, sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES,
-             sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES)
-    sharding._REDUCE_SCATTER_ONE_PIECE_BYTES = 0
-    sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES, sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES = first_bytes, largest_bytes
-    try:
-        comm = sharding.Collectives(dist.group.WORLD)
+    comm = Collectives(dist.group.WORLD)
+    comm.one_piece_bytes, comm.first_piece_bytes, comm.largest_piece_bytes = 0, first_bytes, largest_bytes
+    if True:
         n, r = comm.world_size, comm.rank
         chunk = -(-numel // n)
         inputs = [torch.randn(chunk * n, generator=torch.Generator().manual_seed(k)) for k in range(n)]
         buffer = inputs[r].clone()
         comm.reduce_scatter_sum(buffer[r * chunk : (r + 1) * chunk], buffer)
         expected = torch.stack(inputs).sum(0)[r * chunk : (r + 1) * chunk]
-        scratch = sum(t.numel() for t in comm._scratch.values())
+        scratch = comm.scratch_numel
         comm.all_gather(buffer, buffer[r * chunk : (r + 1) * chunk])
         return {"error": float((buffer[r * chunk : (r + 1) * chunk] - expected).abs().max()),
                 "gathered": buffer, "scratch": scratch, "first": first_bytes // 4}
-    finally:
-        (sharding._REDUCE_SCATTER_ONE_PIECE_BYTES, sharding._REDUCE_SCATTER_FIRST_PIECE_BYTES,
-         sharding._REDUCE_SCATTER_LARGEST_PIECE_BYTES) = saved
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

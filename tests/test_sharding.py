@@ -13,7 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_flat, plan_layout, plan_tensor
+from acco.buffers import ShardedGroup
+from acco.folding import fold_grads
+from acco.layout import Layout, ShardPlan, plan_flat, plan_layout, plan_tensor
 
 LAYOUTS = [Layout.FLAT, Layout.TENSOR]
 
@@ -314,7 +316,7 @@ def run_batches(group, params, batches, gen, expected):
                 expected[s.offset : s.offset + s.numel] += weight * p.grad.reshape(-1)
             else:
                 p.grad = None
-        assert group.accumulate_grads(weight) is any(has_grad)
+        assert fold_grads(group, weight) is any(has_grad)
         assert all(p.grad is None for p in params), "grads are consumed"
 
 
@@ -377,7 +379,7 @@ def test_accumulate_without_grads_is_a_no_op(layout, shapes, world_size, weight)
     plan = plan_layout(layout, shapes, world_size)
     group = ShardedGroup(params, plan, rank=0)
     group.grad_accumulator.fill_(1.5)
-    assert group.accumulate_grads(weight) is False
+    assert fold_grads(group, weight) is False
     assert torch.equal(group.grad_accumulator, torch.full((plan.padded_numel,), 1.5))
     assert all(p.grad is None for p in params)
 
@@ -394,7 +396,7 @@ def test_accumulate_grads_from_backward(layout):
     loss = sum((p * c).sum() for i, (p, c) in enumerate(zip(params, coefficients)) if i != 1)
     loss.backward()
     assert params[1].grad is None
-    assert group.accumulate_grads(0.5) is True
+    assert fold_grads(group, 0.5) is True
     for i, (s, c) in enumerate(zip(plan.slots, coefficients)):
         got = group.grad_accumulator[s.offset : s.offset + s.numel].view(s.shape)
         torch.testing.assert_close(got, torch.zeros_like(c) if i == 1 else 0.5 * c)
@@ -407,4 +409,4 @@ def test_sparse_gradients_are_rejected():
     group = ShardedGroup(params, plan_flat([(3, 2)], 2), rank=0)
     params[0].grad = torch.eye(3, 2).to_sparse()
     with pytest.raises(TypeError, match="sparse"):
-        group.accumulate_grads(1.0)
+        fold_grads(group, 1.0)

@@ -72,7 +72,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("acco.integrations.hf needs transformers and accelerate: pip install 'acco[hf]'") from error
 
 from acco import checkpoint
-from acco.optim import AccoOptimizer, Mode, RoundKind, RoundStats, _parse_enum
+from acco import AccoOptimizer, Mode, RoundKind, RoundStats
+from acco.options import parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
@@ -200,7 +201,7 @@ class AccoTrainer(Trainer):
     ) -> None:
         # Everything is checked before Trainer.__init__ moves the model or builds anything.
         bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
-        self.acco_mode: Mode = _parse_enum(Mode, acco_mode, "acco_mode")
+        self.acco_mode: Mode = parse_enum(Mode, acco_mode, "acco_mode")
         if not isinstance(acco_accumulate_while_waiting, bool):
             raise ValueError(f"Invalid acco_accumulate_while_waiting: {acco_accumulate_while_waiting!r} (a bool)")
         self.acco_accumulate_while_waiting = acco_accumulate_while_waiting

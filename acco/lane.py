@@ -1,4 +1,4 @@
-"""The comm lane: where a round's reduce-scatter -> update -> all-gather runs.
+"""The comm lane: the worker thread where a round's reduce-scatter -> update -> all-gather runs.
 
 One design for every device: a daemon worker thread runs the rounds one at a time, in
 submission order, and hands each result (or exception) back through a future whose every
@@ -14,6 +14,8 @@ object:
   has enqueued the round and then makes the caller's stream wait on the done event: the
   training thread never blocks on the GPU. ``done()`` is true only once the done event has
   fired.
+
+See docs/design.md, "The comm lane and its device hooks".
 
 Allocator rule (as torch's FSDP2, without ``record_stream``): a tensor allocated on one
 stream and used on the other stays referenced until the using stream has been ordered
@@ -37,7 +39,6 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 __all__ = [
-    "CommLane",
     "CpuHooks",
     "CudaHooks",
     "DeviceHooks",
@@ -265,14 +266,6 @@ class LaneFuture(Generic[T]):
         return value
 
 
-class CommLane(Protocol):
-    hooks: DeviceHooks
-
-    def submit(self, fn: Callable[[], T]) -> LaneFuture[T]: ...
-
-    def close(self, timeout: float = 0.0, keep: Any = None) -> None: ...
-
-
 _STOP = object()
 
 
@@ -321,10 +314,10 @@ def _run(fn: Callable[[], Any], ticket: Any, future: Future, hooks: DeviceHooks,
 class ThreadLane:
     """A single daemon worker thread running one round at a time, in submission order."""
 
-    def __init__(self, hooks: DeviceHooks | None = None, name: str = "acco-comm-lane") -> None:
-        self.hooks: DeviceHooks = hooks if hooks is not None else CpuHooks()
+    def __init__(self, device_hooks: DeviceHooks | None = None, name: str = "acco-comm-lane") -> None:
+        self.device_hooks: DeviceHooks = device_hooks if device_hooks is not None else CpuHooks()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_work, args=(self._tasks, self.hooks), name=name, daemon=True)
+        self._thread = threading.Thread(target=_work, args=(self._tasks, self.device_hooks), name=name, daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -333,8 +326,8 @@ class ThreadLane:
         if self._closed:
             raise RuntimeError("the comm lane is closed")
         future: Future = Future()
-        self._tasks.put((fn, self.hooks.ticket(), future))
-        return LaneFuture(future, self.hooks)
+        self._tasks.put((fn, self.device_hooks.ticket(), future))
+        return LaneFuture(future, self.device_hooks)
 
     def run(self, fn: Callable[[], T], timeout: float) -> T:
         """``submit(fn).result(timeout)``: e.g. to allocate state on the lane's stream."""

@@ -1,0 +1,490 @@
+"""One param group's buffers: the accumulator, the hand-over buffer, the master shard.
+
+See docs/design.md, "Buffers and memory" for the formula :meth:`ShardedGroup.buffer_bytes`
+reports against.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from acco.collectives import Collectives
+from acco.layout import Layout, ShardPlan, plan_layout
+from acco.options import Mode, Options
+from acco.quantize import dequantize_row
+
+__all__ = ["ShardCopy", "ShardedGroup", "build_groups", "start_identical"]
+
+
+def build_groups(param_groups: Sequence[dict[str, Any]], options: Options, rank: int, world_size: int) -> list[ShardedGroup]:
+    """One :class:`ShardedGroup` per param group, as ``options.mode`` needs them."""
+    groups = [
+        ShardedGroup(
+            g["params"],
+            plan_layout(g["layout"], [p.shape for p in g["params"]], world_size),
+            rank,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+            # sync computes nothing while a round runs: the round reduces, updates and
+            # gathers in the accumulator itself.
+            double_buffered=options.mode is not Mode.SYNC,
+            # sync and dpu load each round's result as the committed parameters: with
+            # fp32 parameters those hold the master shard (acco's hold estimates).
+            master_in_params=options.mode is not Mode.ACCO,
+        )
+        for g in param_groups
+    ]
+    if any(g.reduce_dtype.itemsize < 4 for g in groups):
+        warnings.warn(
+            "acco accumulates gradients in reduce_dtype, here a 16-bit type: sums over many "
+            "micro-batches lose precision; pass reduce_dtype=torch.float32 to accumulate in fp32",
+            stacklevel=3,
+        )
+    return groups
+
+
+def start_identical(groups: Sequence[ShardedGroup], comm: Collectives, options: Options, header: list[str]) -> None:
+    """Check that every rank built the same groups, then give every rank rank 0's
+    parameters. ``ValueError`` on every rank when the model, mode, layout or optimizer class
+    differs. Collective."""
+    fingerprint = "|".join(
+        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype)]
+        + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
+    )
+    if not comm.same_on_all_ranks(fingerprint):
+        raise ValueError(
+            "AccoOptimizer: the model, mode, layout or optimizer class differs across ranks "
+            f"(this rank: {fingerprint[:200]!r})"
+        )
+    for group in groups:
+        initial = group.initial_values()
+        comm.broadcast_(initial, src=0)
+        group.set_initial_values(initial)
+
+
+class ShardedGroup:
+    """One param group's live parameters, flat buffers and this rank's master shard.
+
+    Model-size buffers (``plan.padded_numel`` elements):
+
+    - ``grad_accumulator`` (``reduce_dtype``): where the compute lane folds gradients
+      (``weight * grad``; :class:`acco.folding.GradFolder` does, through
+      :meth:`accumulator_views`);
+    - ``grad_handover``: the buffer a round reduces, updates and gathers into. With
+      ``double_buffered`` it is a second buffer, swapped with the accumulator at each
+      hand-over (allocated at the first one), so the compute lane keeps accumulating while
+      the round runs; without it (``sync`` mode, where nothing is computed while a round
+      runs) it *is* the accumulator, zeroed once the round's result is loaded.
+
+    Everything else is a view of the round's buffer once there is more than one rank:
+
+    - ``grad_shard`` = its chunk ``r``: the reduce-scatter runs in place;
+    - ``master_grad``: ``grad_shard`` itself when ``reduce_dtype`` is the master dtype (the
+      gradient is averaged in place), else a chunk-sized buffer in the master dtype;
+    - ``gathered``: the all-gather target, the round's buffer itself once its
+      reduce-scatter has run (nothing reads the gradients any more): as is when
+      ``param_dtype == reduce_dtype``, reinterpreted (its first bytes) when ``param_dtype``
+      is narrower, a separate buffer only when it is wider;
+    - ``gather_input`` = chunk ``r`` of ``gathered``: the all-gather runs in place.
+
+    With one rank there is nothing to communicate and the round's buffer keeps the
+    (unaveraged) gradient sum: ``grad_shard`` is the whole round buffer, and
+    ``master_grad`` and ``gathered`` (= ``gather_input``) are separate buffers.
+
+    ``master`` (``plan.chunk`` long, fp32, fp64 for fp64 parameters) is this rank's shard
+    of the parameters; ``master_views`` are the tensors the base optimizer sees. With
+    ``master_in_params`` (sync and dpu, whose live parameters hold the committed values at
+    every round boundary) and every dtype the master dtype, it is not kept at all: each
+    round copies it from the live parameters into a chunk of the round's buffer already
+    sent (:meth:`shard_workspace`) and steps it there; :meth:`prepare_master` does that
+    once per round, on the comm lane.
+
+    Per rank, with P parameters, N ranks and the bytes of each dtype ``b_*``:
+    ``P b_reduce`` (accumulator) + ``P b_reduce`` (hand-over, not in sync) +
+    ``P/N b_master`` (master shard, not with ``master_in_params``) + ``P/N b_master``
+    (``master_grad``, only when ``b_reduce`` is not the master dtype) + ``P b_param``
+    (``gathered``, only when ``param_dtype`` is wider than ``reduce_dtype``), plus the
+    base optimizer's state for ``P/N`` and, in acco mode, one copy of that state (and of
+    the master shard where no free chunk of the round's buffer can hold the estimate's
+    working copy). :meth:`buffer_bytes` gives the figures.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        plan: ShardPlan,
+        rank: int,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        *,
+        double_buffered: bool = True,
+        master_in_params: bool = False,
+    ) -> None:
+        first = params[0]
+        self.params = list(params)
+        self.plan = plan
+        self.rank = rank
+        self.device = first.device
+        self.param_dtype = param_dtype or first.dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # The master shard and the optimizer state are never below fp32.
+        self.master_dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+        # With several ranks the collectives run in place in the round's buffer. One rank
+        # has nothing to communicate, and its round buffer must keep the gradient sum (so
+        # the round's result goes elsewhere).
+        self.multi_rank = plan.world_size > 1
+        self.double_buffered = double_buffered or not self.multi_rank
+        n, chunk = plan.padded_numel, plan.chunk
+        self.grad_accumulator = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
+        self.grad_handover: Tensor | None = None if self.double_buffered else self.grad_accumulator
+        # The live parameters hold the committed values at every round boundary in sync and
+        # dpu. When they are in the master dtype (and every buffer too), the master shard is
+        # not kept: each round copies it from the live parameters into a chunk of its own
+        # buffer that was already sent (prepare_master), and the base optimizer steps it there.
+        self.master_in_params = (
+            master_in_params
+            and self.multi_rank
+            and self.param_dtype == self.reduce_dtype == self.master_dtype == first.dtype
+        )
+        if self.master_in_params:
+            self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
+            placeholder = self.grad_accumulator[:chunk]  # no storage of its own; moved each round
+        else:
+            self._master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+            placeholder = self._master
+        self._master_grad: Tensor | None = None
+        if not (self.multi_rank and self.reduce_dtype == self.master_dtype):
+            self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
+        self._gathered: Tensor | None = None
+        if not self.multi_rank or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
+            self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
+        # Views of master (distinct tensors, also in the flat layout) that the base optimizer
+        # is built on; point_master_views() may move them to a workspace for one update.
+        self.master_views = [view.view(view.shape) for view in self.shard_views(placeholder)]
+        self._accumulator_views = self._views(self.grad_accumulator)
+        # The estimate round's copy of the master shard and optimizer state (acco mode),
+        # allocated at the first estimate and reused by every later one.
+        self.estimate_copy: ShardCopy | None = None
+
+    def _views(self, buffer: Tensor) -> list[Tensor]:
+        return [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.plan.slots]
+
+    # --------------------------------------------------------- the round's buffer
+
+    def round_buffer(self) -> Tensor:
+        """The buffer the current (or next replayed) round reduces and gathers into."""
+        if self.grad_handover is None:  # double-buffered, before the first hand-over
+            self.grad_handover = torch.zeros_like(self.grad_accumulator)
+        return self.grad_handover
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's reduce-scatter result: chunk ``r`` of the round's buffer."""
+        buffer = self.round_buffer()
+        if not self.multi_rank:
+            return buffer
+        start, stop = self.plan.rank_range(self.rank)
+        return buffer[start:stop]
+
+    @property
+    def master_grad(self) -> Tensor:
+        """The averaged gradient the base optimizer reads, in the master dtype."""
+        return self.grad_shard if self._master_grad is None else self._master_grad
+
+    @property
+    def gathered(self) -> Tensor:
+        """The all-gather target, copied into the live parameters at a round boundary."""
+        if self._gathered is not None:
+            return self._gathered
+        buffer = self.round_buffer()
+        if buffer.dtype == self.param_dtype:
+            return buffer
+        # A narrower param_dtype (bf16 parameters, fp32 reduction): the result fits in the
+        # first bytes of the round's buffer, free once its reduce-scatter has run.
+        size = self.plan.padded_numel * self.param_dtype.itemsize
+        return buffer.view(torch.uint8)[:size].view(self.param_dtype)
+
+    @property
+    def gather_input(self) -> Tensor:
+        """This rank's updated shard in ``param_dtype``: chunk ``r`` of ``gathered``."""
+        if not self.multi_rank:
+            return self.gathered
+        start, stop = self.plan.rank_range(self.rank)
+        return self.gathered[start:stop]
+
+    @property
+    def master(self) -> Tensor:
+        """This rank's master shard (``plan.chunk`` long, master dtype). With
+        ``master_in_params`` it is valid only between :meth:`prepare_master` and the end of
+        the round's update."""
+        return self._master
+
+    def prepare_master(self) -> Tensor:
+        """The committed master shard for this round's update; call once per round, on the
+        comm lane, after the reduce-scatter.
+
+        With ``master_in_params`` this copies this rank's chunk of the live parameters (the
+        committed values) into a chunk of the round's buffer that was already sent, and
+        points the base optimizer's parameters there; the all-gather then carries the result.
+        """
+        if self.master_in_params:
+            workspace = self.shard_workspace()
+            if workspace is None:
+                raise AssertionError("master_in_params without a free chunk in the round's buffer")
+            with torch.no_grad():
+                self._master.set_(workspace)
+                self._params_to_shard(self._master)
+            self.point_master_views(self._master)
+        return self._master
+
+    def master_values(self, in_flight: bool) -> Tensor:
+        """A copy of the committed master shard at a round boundary (``in_flight``: a
+        finished round has not been loaded yet; its result is the committed values)."""
+        if not self.master_in_params:
+            return self._master.clone()
+        if in_flight:
+            return self.gather_input.clone()
+        shard = torch.empty(self.plan.chunk, dtype=self.master_dtype, device=self.device)
+        self._params_to_shard(shard)
+        return shard
+
+    def load_master_values(self, values: Tensor, in_flight: bool) -> None:
+        """Restore the committed master shard (``in_flight``: a replayed round brings it)."""
+        if not self.master_in_params:
+            self._master.copy_(values)
+        elif not in_flight:
+            # The master shard is the live parameters' chunk: write it there (the same
+            # values when the model's state was restored too).
+            start, _ = self.plan.rank_range(self.rank)
+            with torch.no_grad():
+                for index, offset, length in self._chunk_pieces():
+                    self.params[index].data.view(-1)[offset - self.plan.slots[index].offset :][:length].copy_(
+                        values[offset - start : offset - start + length]
+                    )
+
+    def _chunk_pieces(self) -> list[tuple[int, int, int]]:
+        """(parameter index, offset in the flat buffer, length) of every piece of a
+        parameter inside this rank's chunk."""
+        start, stop = self.plan.rank_range(self.rank)
+        pieces = []
+        for index, slot in enumerate(self.plan.slots):
+            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                pieces.append((index, lo, hi - lo))
+        return pieces
+
+    def _params_to_shard(self, shard: Tensor) -> None:
+        start, _ = self.plan.rank_range(self.rank)
+        shard.zero_()  # padding
+        pieces = self._chunk_pieces()
+        if pieces:
+            torch._foreach_copy_(
+                [shard[offset - start : offset - start + length] for _, offset, length in pieces],
+                [
+                    self.params[index].detach().reshape(-1)[offset - self.plan.slots[index].offset :][:length]
+                    for index, offset, length in pieces
+                ],
+            )
+
+    def shard_workspace(self) -> Tensor | None:
+        """A chunk of the round's buffer that nothing reads during the update, usable as a
+        chunk-sized tensor in the master dtype; None where there is none.
+
+        Valid between the round's reduce-scatter and its all-gather: every chunk but this
+        rank's has been sent by then, so one of them can hold the estimate's working copy
+        of the master shard. It must overlap neither ``grad_shard`` nor ``gather_input``.
+        """
+        if not self.multi_rank or self.reduce_dtype != self.master_dtype:
+            return None
+        buffer = self.round_buffer()
+        chunk, size = self.plan.chunk, buffer.element_size()
+        busy = [(self.rank * chunk * size, (self.rank + 1) * chunk * size)]
+        if self._gathered is None:
+            width = self.param_dtype.itemsize
+            busy.append((self.rank * chunk * width, (self.rank + 1) * chunk * width))
+        for step in range(1, self.plan.world_size):
+            index = (self.rank + step) % self.plan.world_size
+            start, stop = index * chunk * size, (index + 1) * chunk * size
+            if all(stop <= a or b <= start for a, b in busy):
+                return buffer[index * chunk : (index + 1) * chunk]
+        return None
+
+    def point_master_views(self, shard: Tensor) -> None:
+        """Make ``master_views`` (the base optimizer's parameters, its state keys) views of
+        ``shard``: the same tensor objects, so the optimizer and its state follow."""
+        with torch.no_grad():
+            for view, target in zip(self.master_views, self.shard_views(shard)):
+                view.set_(target)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each buffer this group holds now (views of another buffer count 0)."""
+        sizes = {
+            "grad_accumulator": self.grad_accumulator.nbytes,
+            "grad_handover": 0
+            if self.grad_handover is None or self.grad_handover is self.grad_accumulator
+            else self.grad_handover.nbytes,
+            "gathered": 0 if self._gathered is None else self._gathered.nbytes,
+            "master": 0 if self.master_in_params else self._master.nbytes,
+            "master_grad": 0 if self._master_grad is None else self._master_grad.nbytes,
+        }
+        sizes["estimate_copy"] = 0 if self.estimate_copy is None else self.estimate_copy.nbytes()
+        return sizes
+
+    def accumulator_views(self) -> list[Tensor]:
+        """Each parameter's slot of the accumulator, in its shape (new after a hand-over
+        that swapped the buffers)."""
+        return self._accumulator_views
+
+    def hand_over(self, keep_accumulating: bool) -> Tensor:
+        """Give the accumulated gradients to a round; returns the buffer the round reads.
+
+        With ``keep_accumulating`` (an acco estimate round) the accumulator keeps its
+        contents, so the following commit round sees both rounds' gradients; otherwise it
+        starts again from zero. Single-buffered, the round reads the accumulator itself.
+        Gradient views into the accumulator must be released first and re-taken from
+        :meth:`accumulator_views` after (:meth:`acco.folding.GradFolder.views_released`).
+        """
+        if not self.double_buffered:
+            if keep_accumulating:
+                raise AssertionError("a single-buffered group cannot keep accumulating during a round")
+            return self.grad_accumulator
+        other = self.grad_handover if self.grad_handover is not None else torch.empty_like(self.grad_accumulator)
+        if keep_accumulating:
+            other.copy_(self.grad_accumulator)
+            self.grad_handover = other
+        else:
+            self.grad_handover, self.grad_accumulator = self.grad_accumulator, other
+            self.grad_accumulator.zero_()
+            self._accumulator_views = self._views(self.grad_accumulator)
+        return self.grad_handover
+
+    def initial_values(self) -> Tensor:
+        """The live parameters as one padded flat buffer in the master dtype."""
+        values = torch.zeros(self.plan.padded_numel, dtype=self.master_dtype, device=self.device)
+        torch._foreach_copy_(self._views(values), [p.detach() for p in self.params])
+        return values
+
+    def set_initial_values(self, values: Tensor) -> None:
+        """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
+        which take ``param_dtype`` here (the master keeps full precision)."""
+        start, stop = self.plan.rank_range(self.rank)
+        if not self.master_in_params:
+            self._master.copy_(values[start:stop])
+        with torch.no_grad():
+            for param, value in zip(self.params, self._views(values)):
+                if param.dtype == self.param_dtype:
+                    param.copy_(value)
+                else:
+                    param.data = value.to(self.param_dtype)
+
+    def gather_from_delta(self, rows: Tensor, scales: Tensor) -> None:
+        """``gathered`` = the live parameters + every rank's dequantized delta (row ``r``:
+        rank ``r``'s chunk). For the light estimate round, whose live parameters are the
+        committed ones on every rank; one chunk-sized fp32 temporary at a time."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._views(self.gathered), [p.detach() for p in self.params])
+        chunks = self.gathered.view(self.plan.world_size, -1)
+        for chunk, row, scale in zip(chunks, rows, scales):
+            chunk.copy_(dequantize_row(row, scale).add_(chunk))
+
+    def load_params_from_buffer(self) -> None:
+        """Copy ``gathered`` into the live parameters: the only write to them.
+
+        Single-buffered, ``gathered`` is the accumulator: it is zeroed here, for the next
+        round's gradients.
+        """
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], self._views(self.gathered))
+        if not self.double_buffered:
+            self.grad_accumulator.zero_()
+
+    def shard_views(self, shard: Tensor) -> list[Tensor]:
+        """Views of a chunk-sized tensor as the base optimizer sees this rank's shard.
+
+        ``flat``: the whole 1-D chunk. ``tensor``: each owned parameter in its own shape.
+        """
+        if self.plan.layout is Layout.FLAT:
+            return [shard]
+        start, _ = self.plan.rank_range(self.rank)
+        slots = [self.plan.slots[i] for i in self.plan.owned(self.rank)]
+        return [shard[s.offset - start : s.offset - start + s.numel].view(s.shape) for s in slots]
+
+    def check_params_unchanged(self, number: int) -> None:
+        """RuntimeError when a parameter's shape or dtype changed since construction."""
+        for index, (param, slot) in enumerate(zip(self.params, self.plan.slots)):
+            if param.shape != slot.shape or param.dtype != self.param_dtype:
+                raise RuntimeError(
+                    f"parameter {index} of group {number} changed to {tuple(param.shape)} {param.dtype} after "
+                    f"construction (was {tuple(slot.shape)} {self.param_dtype}): build a new AccoOptimizer"
+                )
+
+    def fingerprint(self) -> str:
+        return f"{self.plan.layout.value}:{self.param_dtype}:{self.reduce_dtype}:" + ";".join(
+            "x".join(map(str, s.shape)) for s in self.plan.slots
+        )
+
+
+class ShardCopy:
+    """A copy of a master shard and its base optimizer's state, allocated once.
+
+    An acco estimate round steps the base optimizer on a copy and then puts the real shard
+    and state back: :meth:`save` copies them into tensors allocated at the first call and
+    reused after, :meth:`restore` copies them back into the same tensors the optimizer
+    holds (so nothing is allocated per round, and the state keeps its tensors). When the
+    estimate runs on a workspace copy of the master shard (:meth:`ShardedGroup.shard_workspace`),
+    pass ``master=None``: only the state is copied.
+    """
+
+    def __init__(self) -> None:
+        self._master_copy: Tensor | None = None
+        self._state_copy: dict[Tensor, dict[str, Any]] = {}
+
+    def save(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
+        if master is not None:
+            if self._master_copy is None:
+                self._master_copy = torch.empty_like(master)
+            self._master_copy.copy_(master)
+        saved: dict[Tensor, dict[str, Any]] = {}
+        for param, values in state.items():
+            previous = self._state_copy.get(param, {})
+            saved[param] = {key: _copy_into(previous.get(key), value) for key, value in values.items()}
+        self._state_copy = saved
+
+    def restore(self, master: Tensor | None, state: dict[Tensor, dict[str, Any]]) -> None:
+        if master is not None:
+            if self._master_copy is None:
+                raise AssertionError("ShardCopy.restore() of a master shard it never saved")
+            master.copy_(self._master_copy)
+        for param in list(state):
+            if param not in self._state_copy:
+                del state[param]  # created by the step being undone (the first estimate)
+        for param, saved in self._state_copy.items():
+            values = state.setdefault(param, {})
+            for key in list(values):
+                if key not in saved:
+                    del values[key]
+            for key, value in saved.items():
+                current = values.get(key)
+                if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
+                    current.copy_(value)
+                else:
+                    values[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+    def nbytes(self) -> int:
+        total = 0 if self._master_copy is None else self._master_copy.nbytes
+        return total + sum(v.nbytes for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor))
+
+
+def _copy_into(target: Any, value: Any) -> Any:
+    """``value`` copied into ``target`` when it fits, else a fresh copy."""
+    if isinstance(value, Tensor):
+        if isinstance(target, Tensor) and target.shape == value.shape and target.dtype == value.dtype:
+            return target.copy_(value)
+        return value.clone()
+    return copy.deepcopy(value)

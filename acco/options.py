@@ -1,0 +1,261 @@
+"""The constructor's arguments: their enums, their checks, and the param groups they give.
+
+Everything here runs before the first collective and creates no state, so a bad argument
+raises on the rank that passed it and never leaves a half-built optimizer or a hung rank
+(docs/design.md, "Errors").
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import enum
+import inspect
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from acco.layout import Layout
+from acco.quantize import check_estimate_dtype
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Mode",
+    "NonFinite",
+    "Options",
+    "base_hyperparams",
+    "build_base_optimizer",
+    "check_estimate_dtypes",
+    "check_optimizer_class",
+    "parse_enum",
+    "probe_defaults",
+    "resolve_groups",
+]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class Mode(str, enum.Enum):
+    """What a round does (docs/design.md, "The algorithm")."""
+
+    SYNC = "sync"  # ZeRO-1: reduce-scatter -> update -> all-gather inside step(), no overlap
+    DPU = "dpu"  # every round commits, with the previous round's gradients; overlapped
+    ACCO = "acco"  # estimate and commit rounds alternate; overlapped, delay compensated
+
+
+class NonFinite(str, enum.Enum):
+    """What a round does when some rank's gradients hold NaN or inf."""
+
+    RAISE = "raise"  # CommLaneError on every rank; shards and state untouched
+    SKIP = "skip"  # no update on any rank; reported in RoundStats.skipped and skipped_updates
+
+
+# Optimizers whose update of an element depends only on that element's own gradient and
+# state, so a flat shard may cut a tensor anywhere.
+_ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Optimizers known to look at whole tensors (orthogonalisation, factored moments).
+_WHOLE_TENSOR: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor", "SparseAdam") if hasattr(torch.optim, name)
+)
+# Param-group entries that are acco's, not the base optimizer's hyper-parameters.
+_NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The checked keyword arguments of :class:`acco.AccoOptimizer` (see its docstring)."""
+
+    mode: Mode
+    nonfinite: NonFinite
+    layout: Layout | None
+    max_grad_norm: float | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    timeout: datetime.timedelta
+    estimate_dtype: torch.dtype | None
+
+    @classmethod
+    def check(
+        cls,
+        *,
+        mode: Any,
+        nonfinite: Any,
+        layout: Any,
+        max_grad_norm: Any,
+        param_dtype: Any,
+        reduce_dtype: Any,
+        timeout: Any,
+        estimate_dtype: Any,
+    ) -> Options:
+        """The options, or ``TypeError`` / ``ValueError`` naming the bad value."""
+        checked_mode = parse_enum(Mode, mode, "mode")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number > 0, or None)")
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"Invalid {name}: {dtype!r} (a floating torch.dtype, or None)")
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
+        if estimate_dtype is not None and checked_mode is not Mode.ACCO:
+            raise ValueError(
+                f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
+            )
+        return cls(
+            mode=checked_mode,
+            nonfinite=parse_enum(NonFinite, nonfinite, "nonfinite"),
+            layout=None if layout is None else parse_enum(Layout, layout, "layout"),
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            timeout=timeout,
+            estimate_dtype=estimate_dtype,
+        )
+
+    @property
+    def wait_seconds(self) -> float:
+        """How long the compute lane waits for a round. The lane's own collectives time out
+        after ``timeout``; waiting a little longer lets their error (naming the phase) come
+        first."""
+        return self.timeout.total_seconds() * 1.1 + 5.0
+
+
+def parse_enum(enum_type: type[E], value: Any, what: str) -> E:
+    """``enum_type(value)``, or a ``ValueError`` that lists the choices."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"Invalid {what}: {value!r} (choose from {choices})") from None
+
+
+def check_optimizer_class(optimizer_class: Any) -> None:
+    """``TypeError`` unless a ``torch.optim.Optimizer`` subclass whose ``step()`` needs no closure."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__} needs a closure in step(), which a sharded overlapped optimizer "
+            "cannot provide"
+        )
+
+
+def probe_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The base optimizer's full defaults; builds one on a dummy tensor, so bad
+    hyper-parameters raise the base optimizer's own error before any collective."""
+    probe = optimizer_class([torch.zeros(2, 2, requires_grad=True)], **defaults)
+    return dict(probe.defaults)
+
+
+def base_hyperparams(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a param group's hyper-parameters for the base optimizer (no params)."""
+    return {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in group.items() if k not in _NOT_HYPERPARAMS}
+
+
+def build_base_optimizer(
+    group: dict[str, Any],
+    views: list[Tensor],
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+) -> torch.optim.Optimizer | None:
+    """A group's base optimizer on this rank's shard ``views`` (None: it owns nothing of
+    the group, in the tensor layout). A group naming its own class takes its
+    hyper-parameters from the group only."""
+    if not views:
+        return None
+    cls = group["optimizer_class"]
+    kwargs = defaults if cls is optimizer_class else {}
+    return cls([{**base_hyperparams(group), "params": views}], **kwargs)
+
+
+def resolve_groups(
+    params: Any, optimizer_class: type[torch.optim.Optimizer], layout: Layout | None
+) -> list[dict[str, Any]]:
+    """Param-group dicts holding each trainable parameter once, each with its base
+    optimizer class and layout resolved.
+
+    A group may name its own ``optimizer_class`` (e.g. Muon for hidden matrices, AdamW for
+    the rest) and ``layout``; it then starts from that class's defaults.
+    """
+    check_optimizer_class(optimizer_class)
+    groups = []
+    for group in _trainable_groups(params):
+        cls = group.get("optimizer_class", optimizer_class)
+        check_optimizer_class(cls)
+        chosen = _choose_layout(group.get("layout", layout), cls)
+        if cls is not optimizer_class:
+            group = {**probe_defaults(cls, {}), **group}
+        groups.append({**group, "optimizer_class": cls, "layout": chosen})
+    return groups
+
+
+def check_estimate_dtypes(estimate_dtype: torch.dtype | None, options: Options, groups: list[dict[str, Any]]) -> None:
+    """``estimate_dtype`` must be lighter than every group's reduce dtype."""
+    if estimate_dtype is None:
+        return
+    for group in groups:
+        check_estimate_dtype(estimate_dtype, options.reduce_dtype or options.param_dtype or group["params"][0].dtype)
+
+
+def _choose_layout(layout: Layout | str | None, optimizer_class: type) -> Layout:
+    if layout is None:
+        return Layout.FLAT if issubclass(optimizer_class, _ELEMENTWISE) else Layout.TENSOR
+    chosen = parse_enum(Layout, layout, "layout")
+    if chosen is Layout.FLAT and issubclass(optimizer_class, _WHOLE_TENSOR):
+        raise ValueError(
+            f"layout='flat' cuts tensors across ranks, but {optimizer_class.__name__} updates whole "
+            "tensors: use layout='tensor'"
+        )
+    return chosen
+
+
+def _trainable_groups(params: Any) -> list[dict[str, Any]]:
+    """Param-group dicts holding each trainable parameter once."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    if isinstance(params, Tensor):
+        raise TypeError("params must be a module or an iterable of tensors or dicts, got a single Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("AccoOptimizer got an empty parameter list")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    seen: set[int] = set()
+    groups = []
+    for number, group in enumerate(items):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"param group {number} must be a dict with a 'params' entry, got {type(group).__name__}")
+        members = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        kept = []
+        for p in members:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"param group {number} holds a {type(p).__name__}, not a Tensor")
+            if p.requires_grad and id(p) not in seen:  # frozen: left alone; tied: once
+                seen.add(id(p))
+                kept.append(p)
+        if not kept:
+            raise ValueError(f"param group {number} has no parameter with requires_grad=True")
+        kinds = {(p.dtype, p.device) for p in kept}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"param group {number} mixes dtypes/devices {sorted(map(str, kinds))}: "
+                "put each dtype/device in its own param group"
+            )
+        groups.append({**group, "params": kept})
+    return groups

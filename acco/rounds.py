@@ -1,0 +1,117 @@
+"""Rounds: what a round is, and the schedule that says which kind comes next.
+
+A round is the time between two ``step()`` calls (docs/design.md, "Rounds and their state
+machine"). In ``acco`` mode estimate and commit rounds alternate, starting with an
+estimate; in ``dpu`` and ``sync`` every round commits. The weights of the micro-batches
+folded since the last commit's hand-over are what the next update divides by; an estimate
+round's gradients stay in the accumulator for the commit round after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from acco.folding import WeightSum
+from acco.lane import LaneFuture
+from acco.options import Mode
+from acco.telemetry import RoundStats
+
+__all__ = ["CommLaneError", "Round", "RoundKind", "RoundSchedule"]
+
+
+class RoundKind(str, enum.Enum):
+    """An estimate round places the look-ahead theta~ and changes no state; a commit round
+    updates the master shard and the optimizer state."""
+
+    ESTIMATE = "estimate"
+    COMMIT = "commit"
+
+
+class CommLaneError(RuntimeError):
+    """A round failed on the comm lane; raised at the next call on the compute lane."""
+
+
+@dataclass
+class Round:
+    """A round handed to the comm lane: its inputs, and its result once it lands.
+
+    Attributes:
+        kind: estimate or commit.
+        grads: per param group, the hand-over buffer the round reduces and gathers into.
+        update_weight: the weights the update divides by (since the last commit's hand-over).
+        round_weight: the weights of this round's own micro-batches.
+        hyperparams: per param group, the hyper-parameters when the round was handed over.
+        stats: its telemetry.
+        future: the comm lane's result.
+        waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
+    """
+
+    kind: RoundKind
+    grads: list[Tensor]
+    update_weight: WeightSum
+    round_weight: WeightSum
+    hyperparams: list[dict[str, Any]]
+    stats: RoundStats
+    future: LaneFuture[RoundStats] | None = None
+    waited: bool = False
+
+
+class RoundSchedule:
+    """The round state machine: which kind of round the next hand-over launches, how many
+    were launched, and the weight sums the next rounds divide by."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.next_kind = RoundKind.ESTIMATE if mode is Mode.ACCO else RoundKind.COMMIT
+        self.launched = 0
+        self.pending = WeightSum()  # since the last commit's hand-over: the next update's
+        self.current = WeightSum()  # since the last hand-over: this round's
+
+    def count(self, weight: float | Tensor) -> None:
+        """A micro-batch ended with ``weight``."""
+        self.pending.add(weight)
+        self.current.add(weight)
+
+    def launch(self, grads: list[Tensor], hyperparams: list[dict[str, Any]]) -> Round:
+        """The next round, with the weights accumulated for it; advances the schedule."""
+        kind = self.next_kind
+        stats = RoundStats(self.launched, kind, self.current.micro_batches, self.current.host)
+        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats)
+        if kind is RoundKind.COMMIT:
+            self.pending = WeightSum()
+        self.current = WeightSum()
+        self.launched += 1
+        self.next_kind = self.following(kind)
+        return round_
+
+    def following(self, kind: RoundKind) -> RoundKind:
+        """The kind of round after one of ``kind``."""
+        if self.mode is Mode.ACCO:
+            return RoundKind.COMMIT if kind is RoundKind.ESTIMATE else RoundKind.ESTIMATE
+        return RoundKind.COMMIT
+
+    def replayed(self, kind: RoundKind) -> Round:
+        """The last launched round re-created from a checkpoint: only its all-gather runs."""
+        stats = RoundStats(self.launched - 1, kind, 0, 0.0, replayed=True)
+        return Round(kind, [], WeightSum(), WeightSum(), [], stats)
+
+    def state_dict(self, in_flight: RoundKind | None) -> dict[str, Any]:
+        return {
+            "rounds_launched": self.launched,
+            "next_kind": self.next_kind.value,
+            "in_flight_kind": None if in_flight is None else in_flight.value,
+            "pending_weight": self.pending.total(),
+            "pending_micro_batches": self.pending.micro_batches,
+            "round_weight": self.current.total(),
+            "round_micro_batches": self.current.micro_batches,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.launched = int(saved["rounds_launched"])
+        self.next_kind = RoundKind(saved["next_kind"])
+        self.pending = WeightSum(float(saved["pending_weight"]), None, int(saved["pending_micro_batches"]))
+        self.current = WeightSum(float(saved["round_weight"]), None, int(saved["round_micro_batches"]))

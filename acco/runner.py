@@ -1,0 +1,222 @@
+"""The comm lane's round body: totals, reduce-scatter, update, all-gather.
+
+:class:`RoundRunner` runs one :class:`~acco.rounds.Round` on the comm lane's thread
+(docs/design.md, "A round on the comm lane"). It holds no reference to the optimizer: its
+collaborators (the groups' buffers, the base optimizers, the collectives, the device hooks,
+the stats recorder) are handed to it, so a test can drive it with fake collectives and no
+process group. Its host synchronisations (reading the weights, the base optimizer's own)
+block only the lane's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from acco.buffers import ShardCopy, ShardedGroup
+from acco.collectives import Collectives
+from acco.lane import DeviceHooks
+from acco.options import NonFinite, Options
+from acco.rounds import CommLaneError, Round, RoundKind
+from acco.telemetry import RoundStats, StatsRecorder
+
+__all__ = ["RoundRunner"]
+
+
+class RoundRunner:
+    """Runs rounds on the comm lane, one at a time, in launch order.
+
+    Args:
+        groups: each param group's buffers.
+        base_optimizers: each group's base optimizer on this rank's shard (None: this rank
+            owns nothing of that group).
+        collectives: the comm lane's own collectives (every rank calls them in round order).
+        device_hooks: the lane's device hooks (stamps, small host copies).
+        recorder: where the round's phases are stamped.
+        options: ``nonfinite``, ``max_grad_norm``, ``estimate_dtype``, ``timeout``.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[ShardedGroup],
+        base_optimizers: Sequence[torch.optim.Optimizer | None],
+        collectives: Collectives,
+        device_hooks: DeviceHooks,
+        recorder: StatsRecorder,
+        options: Options,
+    ) -> None:
+        self._groups = list(groups)
+        self._base = list(base_optimizers)
+        self._comm = collectives
+        self._device_hooks = device_hooks
+        self._recorder = recorder
+        self._options = options
+
+    def run(self, round_: Round) -> RoundStats:
+        """One round: the totals' all-reduce, reduce-scatter, clip, update, all-gather.
+
+        Raises:
+            CommLaneError: naming the round and the phase it failed in.
+        """
+        stats, record = round_.stats, self._recorder
+        record.lane_start(stats)
+        try:
+            with record.phase(stats, "totals"):
+                update_weight, nonfinite = self._totals(round_)
+            if nonfinite:  # no update: the round's result is the committed shard, unchanged
+                stats.skipped = True
+                for group in self._groups:
+                    group.gather_input.copy_(group.prepare_master())
+                self._all_gather(stats)
+                record.lane_end(stats)
+                return stats
+            light = round_.kind is RoundKind.ESTIMATE and self._options.estimate_dtype is not None
+            with record.phase(stats, "reduce-scatter"):
+                for group, grads in zip(self._groups, round_.grads):
+                    if light:
+                        self._comm.reduce_scatter_quantized(group.grad_shard, grads, self._options.estimate_dtype)
+                    else:
+                        self._comm.reduce_scatter_sum(group.grad_shard, grads)
+                    torch.div(group.grad_shard, update_weight, out=group.master_grad)
+            if self._options.max_grad_norm is not None:
+                with record.phase(stats, "grad-norm"):
+                    record.grad_norm(stats, self._device_hooks.host_copy(self._clip(self._options.max_grad_norm)))
+            with record.phase(stats, "update"):
+                masters = [group.prepare_master() for group in self._groups]
+                for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
+                    if base is not None:
+                        _step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
+                    else:
+                        group.gather_input.copy_(group.master)
+            self._all_gather(stats, delta_from=masters if light else None)
+        except Exception as error:
+            raise CommLaneError(
+                f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
+            ) from error
+        record.lane_end(stats)
+        return stats
+
+    def replay(self, round_: Round) -> RoundStats:
+        """A round re-created from a checkpoint: its saved result (already in each group's
+        ``gather_input``) is all-gathered again."""
+        self._recorder.lane_start(round_.stats)
+        self._all_gather(round_.stats)
+        self._recorder.lane_end(round_.stats)
+        return round_.stats
+
+    def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None) -> None:
+        """Every rank's ``gather_input`` into ``gathered``. With ``delta_from`` (the light
+        estimate round: the committed master shards, which every rank's live parameters
+        hold in full) only the delta from them travels, in ``estimate_dtype``."""
+        with self._recorder.phase(stats, "all-gather"):
+            for number, group in enumerate(self._groups):
+                if delta_from is None:
+                    self._comm.all_gather(group.gathered, group.gather_input)
+                    continue
+                delta = group.gather_input.to(group.master_dtype, copy=True).sub_(delta_from[number])
+                group.gather_from_delta(*self._comm.all_gather_quantized(delta, self._options.estimate_dtype))
+
+    def _totals(self, round_: Round) -> tuple[float, float]:
+        """All-reduce this rank's weights and flags; returns (update weight, how many
+        ranks hold non-finite gradients), after recording the weights in the stats.
+
+        Raises ``ValueError`` for invalid or zero weights, ``FloatingPointError`` for
+        non-finite gradients with ``nonfinite="raise"``.
+        """
+        stats, limit = round_.stats, self._options.timeout.total_seconds()
+        local = self._local_totals(round_)
+        read_local = self._device_hooks.host_copy(local)
+        totals = local.clone()
+        self._comm.all_reduce_sum_(totals)
+        _, stats.local_weight, _, _, _ = read_local(limit).tolist()
+        update_weight, global_weight, global_micro_batches, nonfinite, invalid = (
+            self._device_hooks.host_copy(totals)(limit).tolist()
+        )
+        stats.update_weight, stats.global_weight = update_weight, global_weight
+        stats.global_micro_batches = int(global_micro_batches)
+        if invalid:
+            raise ValueError(f"accumulate() got {int(invalid)} invalid weight(s) (negative, NaN or inf)")
+        if not update_weight > 0:
+            raise ValueError(
+                f"the total weight over all ranks is {update_weight}: no rank called "
+                "accumulate() (with a positive weight) before step()"
+            )
+        if nonfinite:  # before the reduce-scatter, which may reuse the buffer's other chunks
+            nonfinite = self._confirm_nonfinite(round_.grads)
+        if nonfinite and self._options.nonfinite is NonFinite.RAISE:
+            raise FloatingPointError(f"non-finite gradients on {int(nonfinite)} rank(s)")
+        return update_weight, nonfinite
+
+    def _local_totals(self, round_: Round) -> Tensor:
+        """This rank's [update weight, round weight, round micro-batches, whether its
+        gradients look non-finite, invalid weights], float64 on the gradients' device, made
+        without reading anything from the device."""
+        update, local = round_.update_weight, round_.round_weight
+        host = torch.tensor([update.host, local.host, local.micro_batches, 0.0, 0.0], dtype=torch.float64)
+        totals = self._device_hooks.to_device(host)
+        if update.device is not None:
+            totals[0] += update.device[0]
+        if local.device is not None:
+            totals[1] += local.device[0]
+            totals[4] += local.device[1]
+        # A sum is NaN or inf whenever an element is, and costs a thirtieth of an exact
+        # scan; _confirm_nonfinite scans only when some rank's sum was not finite.
+        sums = torch.stack([grads.sum().double() for grads in round_.grads])
+        totals[3] += (~torch.isfinite(sums)).any().double()
+        return totals
+
+    def _confirm_nonfinite(self, grads: list[Tensor]) -> int:
+        """How many ranks really hold a NaN or inf (a sum may overflow on huge finite values).
+
+        Runs on every rank once the all-reduced flags say some rank's sum was not finite.
+        """
+        exact = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().double().reshape(1)
+        self._comm.all_reduce_sum_(exact)
+        return int(self._device_hooks.host_copy(exact)(self._options.timeout.total_seconds()).item())
+
+    def _clip(self, max_norm: float) -> Tensor:
+        """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` would on the full gradient; returns the norm
+        before clipping, on the device. One all-reduce of the squared shard norms; the scale
+        is computed on the device, so nothing waits for the reduce-scatter on the host."""
+        squares = torch.stack([g.master_grad.double().square().sum() for g in self._groups]).sum().reshape(1)
+        self._comm.all_reduce_sum_(squares)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for group in self._groups:
+            group.master_grad.mul_(scale)
+        return norm
+
+
+def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool) -> None:
+    """Run the base optimizer on this rank's shard into ``gather_input``; an estimate
+    leaves the master shard and the optimizer state as it found them."""
+    base.param_groups[0].update(hyperparams)
+    for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
+        param.grad = grad
+    if not estimate:
+        base.step()
+        group.gather_input.copy_(group.master)
+        return
+    if group.estimate_copy is None:
+        group.estimate_copy = ShardCopy()
+    workspace = group.shard_workspace()
+    if workspace is None:  # step the real shard, then put it back from the copy
+        group.estimate_copy.save(group.master, base.state)
+        base.step()
+        group.gather_input.copy_(group.master)
+        group.estimate_copy.restore(group.master, base.state)
+        return
+    # Step a working copy of the shard held in a chunk of the round's buffer that was sent
+    # already: the master shard itself is never touched, so it needs no copy.
+    workspace.copy_(group.master)
+    group.point_master_views(workspace)
+    try:
+        group.estimate_copy.save(None, base.state)
+        base.step()
+        group.gather_input.copy_(workspace)
+        group.estimate_copy.restore(None, base.state)
+    finally:
+        group.point_master_views(group.master)
