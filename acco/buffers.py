@@ -393,6 +393,15 @@ class ShardedGroup:
         for chunk, row, scale in zip(chunks, rows, scales):
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
 
+    def live_values(self) -> list[Tensor]:
+        """A copy of the live parameters (``eval()`` sets them aside)."""
+        return [p.detach().clone() for p in self.params]
+
+    def load_params(self, values: Sequence[Tensor]) -> None:
+        """Put ``values`` (from :meth:`live_values`) back into the live parameters."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], list(values))
+
     def load_params_from_buffer(self) -> None:
         """Copy ``gathered`` into the live parameters: the only write to them.
 

@@ -6,13 +6,8 @@ compute lane (the caller's loop) folds micro-batch gradients into a local accumu
 the comm lane runs the previous round's reduce-scatter -> sharded update -> all-gather into a
 buffer the model does not read. ``step()`` is the round boundary: it lands the round in
 flight (waits for it and loads its result into the model), hands the new gradients over
-and launches the next round.
-
-The concerns live in their own modules (docs/design.md, "Map of the modules"): arguments in
-:mod:`acco.options`, folding and weights in :mod:`acco.folding`, the round state machine in
-:mod:`acco.rounds`, the round body in :mod:`acco.runner`, buffers in :mod:`acco.buffers`,
-collectives in :mod:`acco.collectives`, the lane in :mod:`acco.lane`, telemetry in
-:mod:`acco.telemetry`, the state dict in :mod:`acco.state`.
+and launches the next round. Each concern lives in its own module: docs/design.md,
+"Map of the modules".
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ import datetime
 import functools
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +41,7 @@ from acco.options import (
     probe_defaults,
     resolve_groups,
 )
-from acco.rounds import CommLaneError, Round, RoundKind, RoundSchedule
+from acco.rounds import CommLaneError, RoundKind, RoundSchedule
 from acco.runner import RoundRunner
 from acco.state import build_state_dict, check_state_dict, restore_groups
 from acco.telemetry import RoundStats, StatsRecorder
@@ -67,49 +61,35 @@ class AccoOptimizer(torch.optim.Optimizer):
     stream on GPU) while the caller computes the next gradients.
 
     Args:
-        params: a module, or an iterable of parameters or of param-group dicts. Parameters
-            with ``requires_grad=False`` are left alone; a parameter listed twice (tied) is
-            handled once. Each group's parameters must share one dtype and device.
+        params: a module, or an iterable of parameters or of param-group dicts; frozen
+            parameters are left alone, tied ones handled once; one dtype and device a group.
         optimizer_class: the base ``torch.optim.Optimizer`` subclass, built on this rank's
             shard only.
         process_group: the ranks that share the model; default: the default group when
             ``torch.distributed`` is initialised, otherwise a single process.
         mode: ``"acco"`` (estimate + commit rounds, overlapped), ``"dpu"`` (one-round-stale
             update, overlapped) or ``"sync"`` (ZeRO-1, blocking).
-        layout: ``"flat"`` (equal contiguous chunks of a flat buffer: element-wise
-            optimizers only), ``"tensor"`` (whole tensors per rank) or None to pick ``flat``
-            for the element-wise torch optimizers and ``tensor`` otherwise.
-        max_grad_norm: clip the averaged gradient to this global 2-norm (as
-            ``torch.nn.utils.clip_grad_norm_`` on the full gradient) before each update,
-            the acco estimate included; the norm before clipping is in ``round_stats``.
+        layout: ``"flat"`` (equal chunks of a flat buffer: element-wise optimizers only),
+            ``"tensor"`` (whole tensors per rank) or None (``flat`` where it is exact).
+        max_grad_norm: clip the averaged gradient to this global 2-norm before each update
+            (the estimate's included), as ``clip_grad_norm_`` would; the norm is in ``round_stats``.
         param_dtype: dtype of the live model parameters (e.g. ``torch.bfloat16``); the
             model is cast at construction. Default: unchanged.
         reduce_dtype: dtype in which gradients are accumulated, reduce-scattered and
-            summed. Default: ``param_dtype``. With a 16-bit type, sums over many
-            micro-batches lose precision (a warning says so); ``torch.float32`` avoids it.
-            The master shard and the optimizer state are always fp32 (fp64 for fp64
-            parameters).
-        nonfinite: ``"raise"`` (default): a NaN or inf in any rank's gradients makes the
-            round fail with ``CommLaneError`` on every rank, before anything is updated;
-            ``"skip"``: every rank skips that update (``step()`` returns False,
-            ``skipped_updates`` counts it). Detected on the comm lane, folded into the
-            round's one small all-reduce.
+            summed (default ``param_dtype``; a 16-bit type warns: long sums lose precision).
+            The master shard and the optimizer state are always fp32 (fp64 for fp64).
+        nonfinite: ``"raise"`` (default): NaN or inf in any rank's gradients fails the round
+            with ``CommLaneError`` on every rank before anything is updated; ``"skip"``:
+            every rank skips that update (``step()`` returns False, ``skipped_updates``).
         timeout: limit for each comm-lane collective and for every wait on the lane
             (default 10 minutes): a dead or stuck rank makes the others raise within it.
-        estimate_dtype: ``acco`` mode only: make the estimate rounds lighter on the wire.
-            Their reduce-scatter sends the gradients in this dtype and their all-gather
-            sends the look-ahead's delta ``theta~(t+1) - theta(t)`` in it (float8 types:
-            with one scale per rank's chunk), every rank adding the delta to the committed
-            parameters it holds. Commit rounds are unchanged and exact: the committed update
-            still uses the full-precision gradients of both rounds; only the point where the
-            commit round's gradients are taken moves, by the rounding of the delta. With
-            ``torch.bfloat16`` an update moves 1.5x the bytes of a ZeRO-1 update instead of
-            2x; with ``torch.float8_e4m3fn`` 1.25x. Default None: estimate rounds travel like
-            commit rounds.
-        **defaults: hyper-parameters of the base optimizer (``lr=...``), the defaults of
-            every param group. A group dict may name its own ``optimizer_class`` (e.g.
-            ``torch.optim.Muon`` for hidden matrices) and ``layout``; such a group takes its
-            hyper-parameters from the group dict and that class's defaults.
+        estimate_dtype: ``acco`` mode only: the estimate rounds' gradients and look-ahead
+            delta travel in this dtype (float8: one scale per chunk); commit rounds stay
+            exact. An update then moves 1.5x (bf16) or 1.25x (float8) a ZeRO-1 update's
+            bytes instead of 2x (docs/design.md, "The light estimate round").
+        **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
+            its own ``optimizer_class`` (e.g. Muon for hidden matrices) and ``layout``; it then
+            takes its hyper-parameters from the group and that class's defaults.
 
     Raises:
         TypeError / ValueError: bad arguments, raised before any collective runs.
@@ -156,12 +136,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         groups = resolve_groups(params, optimizer_class, options.layout)
         base_defaults = probe_defaults(optimizer_class, defaults)
         check_estimate_dtypes(estimate_dtype, options, groups)
-        self.options = options
+        self.options, self.optimizer_class = options, optimizer_class
         self.mode, self.nonfinite, self.layout = options.mode, options.nonfinite, options.layout
         self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, estimate_dtype
-        self.optimizer_class = optimizer_class
         self._comm = Collectives.from_user_group(process_group)
-
         self._sealed = False
         super().__init__(groups, base_defaults)
         self._sealed = True
@@ -175,32 +153,24 @@ class AccoOptimizer(torch.optim.Optimizer):
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
         self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options)
-        self._schedule = RoundSchedule(self.mode)
+        self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
-        self._in_flight: Round | None = None
         self._closed = False
-        self._failure: BaseException | None = None
-        self._failed: Round | None = None  # a round that failed or timed out (close() keeps its tensors)
         # (rounds launched when eval() swapped, the live parameters it set aside), or None.
         self._eval_stash: tuple[int, list[list[Tensor]]] | None = None
-        self.num_updates = 0
-        self.skipped_updates = 0
-        self.committed_weight = 0.0
+        self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
 
     # ----------------------------------------------------------------- compute lane
 
     def accumulate(self, weight: float | Tensor | None = None) -> None:
         """End a micro-batch: fold its gradients into this round's accumulator.
 
-        Without ``weight`` (equal weights), after the first ``accumulate()`` every ``p.grad``
-        is a view of the accumulator, so ``backward()`` adds into it in place and no
-        gradient copy exists (``p.grad`` then holds the round's running sum). Where
-        ``reduce_dtype`` differs from the parameters' dtype a post-accumulate-grad hook folds
-        each gradient as soon as backward produces it, and ``p.grad`` stays None. With
-        ``weight`` the gradient cannot be weighted before the weight is known: ``p.grad`` is
-        kept until this call (one model size more at the end of each backward) and set to
-        None. For unequal weights without that cost, declare the weight before ``backward()``
-        with :meth:`micro_batch`. Parameters without a gradient count as zero.
+        Without ``weight`` (equal weights) ``p.grad`` becomes a view of the accumulator after
+        the first call (it then holds the round's running sum; no gradient copy exists).
+        With ``weight``, ``p.grad`` is kept until this call and set to None (one model size
+        more at the end of each backward): declare unequal weights before ``backward()``
+        with :meth:`micro_batch` to avoid that. See :mod:`acco.folding`. Parameters without
+        a gradient count as zero.
 
         Args:
             weight: how many samples (or tokens) the gradient is a mean over (a number or a
@@ -239,11 +209,10 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: ``weight`` is negative, NaN or infinite.
-            RuntimeError: blocks nested, gradients of an earlier ``backward()`` not yet
-                accumulated, no gradient in the block, or ``accumulate()``/``step()``
-                called inside it. An exception inside the block after some gradients were
-                folded leaves a partial micro-batch in the accumulator: every later call
-                raises ``RuntimeError``.
+            RuntimeError: blocks nested, an earlier ``backward()`` not accumulated, no
+                gradient in the block, or ``accumulate()``/``step()`` inside it. An exception
+                in the block after some gradients were folded leaves a partial micro-batch:
+                every later call raises ``RuntimeError``.
         """
         self._check_usable("micro_batch")
         value = checked_weight(weight)
@@ -260,7 +229,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     def ready(self) -> bool:
         """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
-        return self._in_flight is None or self._in_flight.future.done()
+        return self._schedule.in_flight is None or self._schedule.in_flight.future.done()
 
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """End the round: land the round in flight, hand this round's gradients over.
@@ -297,10 +266,9 @@ class AccoOptimizer(torch.optim.Optimizer):
     def finish(self) -> bool:
         """Drain the comm lane and leave the model at the last committed parameters.
 
-        A commit round in flight is landed; an estimate round in flight is dropped (the
-        model already holds the committed parameters it started from). Gradients
-        accumulated since the last handover are discarded. Idempotent; the optimizer
-        cannot be used afterwards.
+        A commit round in flight is landed; an estimate round in flight is dropped (the model
+        holds the committed parameters it started from), as are gradients accumulated since
+        the last hand-over. Idempotent; the optimizer cannot be used afterwards.
 
         Returns:
             True when landing the last round committed an update.
@@ -309,14 +277,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         """
         if self._closed:
             return False
-        if self._failure is not None:
+        if self._schedule.failure is not None:
             self.close()
             self._check_usable("finish")
         try:
-            round_ = self._in_flight
+            round_ = self._schedule.in_flight
             if round_ is not None and round_.kind is RoundKind.ESTIMATE:
-                self._in_flight = None
-                self._wait(round_)
+                self._schedule.take_in_flight()
+                self._schedule.wait(round_)
                 committed = False
             else:
                 committed = self._land_in_flight()
@@ -336,8 +304,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
         # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
-        self._lane.close(keep=(self._in_flight, self._failed, self._groups, self._base))
-        self._in_flight = None
+        self._lane.close(keep=(self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._base))
 
     def __enter__(self) -> AccoOptimizer:
         return self
@@ -362,12 +329,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         """The kind of the round on the comm lane (None in ``sync`` mode or before the
         first ``step()``); the same on every rank. ``num_updates + (in_flight is
         RoundKind.COMMIT)`` is the number of updates there will be once it lands."""
-        return None if self._in_flight is None else self._in_flight.kind
-
-    @property
-    def rounds_launched(self) -> int:
-        """Rounds handed to the comm lane so far (``step()`` calls), the same on every rank."""
-        return self._schedule.launched
+        return None if self._schedule.in_flight is None else self._schedule.in_flight.kind
 
     @property
     def world_size(self) -> int:
@@ -411,20 +373,14 @@ class AccoOptimizer(torch.optim.Optimizer):
     def eval(self) -> None:
         """Load the committed parameters into the model, to evaluate or save it.
 
-        The convention of schedule-free optimizers, which ``transformers.Trainer`` and
-        accelerate already follow (``optimizer.eval()`` before evaluating,
-        ``optimizer.train()`` before training). Afterwards the model holds what
-        :meth:`finish` would leave: ``num_updates + (in_flight is RoundKind.COMMIT)``
-        updates. With a commit round in flight (``acco`` after its estimate has landed,
-        ``dpu`` after every ``step()``), this waits for it (not collective: its collectives
-        are already under way on every rank), loads its result and sets the live parameters
-        (the acco estimate, or the parameters the dpu round computes at) aside until
-        :meth:`train`; one copy of the parameters meanwhile. Otherwise the model already
-        holds the committed parameters and nothing changes.
+        The schedule-free convention that ``transformers.Trainer`` and accelerate follow.
+        Afterwards the model holds what :meth:`finish` would leave (``num_updates +
+        (in_flight is RoundKind.COMMIT)`` updates): a commit round in flight is waited for
+        (not collective), its result loaded, and the live parameters (the acco estimate, or
+        dpu's) set aside until :meth:`train` (one copy of the parameters meanwhile).
 
-        Call :meth:`train` before the next forward pass: gradients must be taken at the live
-        parameters. :func:`acco.checkpoint.save` with a model saves what the model holds,
-        so call :meth:`train` before it for an exact resume.
+        Call :meth:`train` before the next forward pass (gradients are taken at the live
+        parameters), and before :func:`acco.checkpoint.save` with a model for an exact resume.
 
         Raises:
             CommLaneError / TimeoutError: the round in flight failed.
@@ -432,13 +388,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._eval_stash is not None and self._eval_stash[0] == self._schedule.launched:
             return  # already holds the committed parameters
         self._eval_stash = None  # set aside before a step(): the model has moved on since
-        round_ = self._in_flight
+        round_ = self._schedule.in_flight
         if round_ is None or round_.kind is not RoundKind.COMMIT:
             return
         self._check_usable("eval")
-        self._wait(round_)  # its result still lands at the next step() or finish()
-        live = [[p.detach().clone() for p in group.params] for group in self._groups]
-        self._eval_stash = (self._schedule.launched, live)
+        self._schedule.wait(round_)  # its result still lands at the next step() or finish()
+        self._eval_stash = (self._schedule.launched, [group.live_values() for group in self._groups])
         with record_function("acco.load_params"):
             for group in self._groups:
                 group.load_params_from_buffer()
@@ -452,9 +407,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         stash, self._eval_stash = self._eval_stash, None
         if stash is None or stash[0] != self._schedule.launched or self._closed:
             return
-        with torch.no_grad():
-            for group, values in zip(self._groups, stash[1]):
-                torch._foreach_copy_([p.data for p in group.params], values)
+        for group, values in zip(self._groups, stash[1]):
+            group.load_params(values)
 
     # ------------------------------------------------------------- round boundaries
 
@@ -468,15 +422,15 @@ class AccoOptimizer(torch.optim.Optimizer):
         # schedule exactly as in sync mode.
         round_ = self._schedule.launch(grads, [base_hyperparams(g) for g in self.param_groups])
         round_.future = self._lane.submit(lambda: self._runner.run(round_))
-        self._in_flight = round_
+        self._schedule.in_flight = round_
 
     def _land_in_flight(self) -> bool:
         """Wait for the round in flight and load its result into the model."""
-        round_ = self._in_flight
+        round_ = self._schedule.in_flight
         if round_ is None:
             return False
-        self._in_flight = None
-        stats = self._wait(round_)
+        self._schedule.in_flight = None
+        stats = self._schedule.wait(round_)
         with record_function("acco.load_params"):
             for group in self._groups:
                 group.load_params_from_buffer()
@@ -489,38 +443,14 @@ class AccoOptimizer(torch.optim.Optimizer):
             return True
         return False
 
-    def _wait(self, round_: Round) -> RoundStats:
-        """The round's stats once the comm lane has finished it; a failure or a timeout is
-        kept, and every later call reports it."""
-        if round_.waited:
-            return round_.stats
-        started = self._recorder.stamp()
-        try:
-            with record_function("acco.wait"):
-                stats = round_.future.result(timeout=self.options.wait_seconds)
-        except FutureTimeoutError:
-            self._failed = round_  # its device work may still read its tensors: see close()
-            self._failure = TimeoutError(
-                f"{round_.kind.value} round {round_.stats.index} still running on the comm lane after "
-                f"{self.options.wait_seconds:.0f}s (phase: {round_.stats.phase}); another rank may be "
-                "dead or no longer calling step()"
-            )
-            raise self._failure from None
-        except BaseException as error:
-            self._failed = round_
-            self._failure = error
-            raise
-        round_.waited = True
-        self._recorder.landed(stats, started)
-        return stats
-
     def _check_params_unchanged(self) -> None:
         for number, group in enumerate(self._groups):
             group.check_params_unchanged(number)
 
     def _check_usable(self, call: str) -> None:
-        if self._failure is not None:
-            raise RuntimeError(f"{call}() after the comm lane failed: {self._failure}") from self._failure
+        failure = self._schedule.failure
+        if failure is not None:
+            raise RuntimeError(f"{call}() after the comm lane failed: {failure}") from failure
         if self._closed:
             raise RuntimeError(f"{call}() after finish() or close(): the optimizer is finished")
 
@@ -535,9 +465,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         plain Python values: ``torch.load(path, weights_only=True)`` reads it back.
         """
         self._check_usable("state_dict")
-        round_ = self._in_flight
+        round_ = self._schedule.in_flight
         if round_ is not None:
-            self._wait(round_)
+            self._schedule.wait(round_)
         return build_state_dict(
             self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
             world_size=self.world_size, round_state=self._schedule.state_dict(self.in_flight),
@@ -564,7 +494,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             all-gathered again on the comm lane): every rank must call it.
         """
         self._check_usable("load_state_dict")
-        if self._in_flight is not None or self._schedule.launched or self._schedule.pending.micro_batches:
+        if self._schedule.in_flight is not None or self._schedule.launched or self._schedule.pending.micro_batches:
             raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
         self.check_state_dict(state_dict)
         saved = state_dict["acco"]
@@ -572,12 +502,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         # On the lane, so the base optimizers' state is allocated on the stream that uses it.
         run_on_lane = functools.partial(self._lane.run, timeout=self.options.wait_seconds)
         restore_groups(state_dict, self.param_groups, self._groups, self._base, run_on_lane)
-        self.num_updates = int(saved["num_updates"])
-        self.skipped_updates = int(saved.get("skipped_updates", 0))
+        self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._schedule.load_state_dict(saved["round"])
         if in_flight_kind is not None:
             # The saved round in flight again: its result only needs all-gathering.
             round_ = self._schedule.replayed(RoundKind(in_flight_kind))
             round_.future = self._lane.submit(lambda: self._runner.replay(round_))
-            self._in_flight = round_
+            self._schedule.in_flight = round_

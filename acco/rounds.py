@@ -10,15 +10,18 @@ round's gradients stay in the accumulator for the commit round after it.
 from __future__ import annotations
 
 import enum
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
+
+from torch.profiler import record_function
 
 from torch import Tensor
 
 from acco.folding import WeightSum
 from acco.lane import LaneFuture
 from acco.options import Mode
-from acco.telemetry import RoundStats
+from acco.telemetry import RoundStats, StatsRecorder
 
 __all__ = ["CommLaneError", "Round", "RoundKind", "RoundSchedule"]
 
@@ -62,14 +65,26 @@ class Round:
 
 class RoundSchedule:
     """The round state machine: which kind of round the next hand-over launches, how many
-    were launched, and the weight sums the next rounds divide by."""
+    were launched, the weight sums the next rounds divide by, the round in flight, and the
+    failure that ended the schedule (if any).
 
-    def __init__(self, mode: Mode) -> None:
+    Args:
+        mode: the optimizer's mode.
+        recorder: told when the compute lane has waited for a round.
+        wait_seconds: how long a wait for the comm lane may take.
+    """
+
+    def __init__(self, mode: Mode, recorder: StatsRecorder, wait_seconds: float) -> None:
         self.mode = mode
         self.next_kind = RoundKind.ESTIMATE if mode is Mode.ACCO else RoundKind.COMMIT
         self.launched = 0
         self.pending = WeightSum()  # since the last commit's hand-over: the next update's
         self.current = WeightSum()  # since the last hand-over: this round's
+        self.in_flight: Round | None = None
+        self.failure: BaseException | None = None
+        self.failed: Round | None = None  # a round that failed or timed out: close() keeps its tensors
+        self._recorder = recorder
+        self._wait_seconds = wait_seconds
 
     def count(self, weight: float | Tensor) -> None:
         """A micro-batch ended with ``weight``."""
@@ -87,6 +102,35 @@ class RoundSchedule:
         self.launched += 1
         self.next_kind = self.following(kind)
         return round_
+
+    def take_in_flight(self) -> Round | None:
+        """The round in flight, which is no longer in flight afterwards."""
+        round_, self.in_flight = self.in_flight, None
+        return round_
+
+    def wait(self, round_: Round) -> RoundStats:
+        """The round's stats once the comm lane has finished it (at once if already waited
+        for). A failure or a timeout is kept in ``failure`` and re-raised."""
+        if round_.waited:
+            return round_.stats
+        started = self._recorder.stamp()
+        try:
+            with record_function("acco.wait"):
+                stats = round_.future.result(timeout=self._wait_seconds)
+        except FutureTimeoutError:
+            self.failed = round_  # its device work may still read its tensors
+            self.failure = TimeoutError(
+                f"{round_.kind.value} round {round_.stats.index} still running on the comm lane after "
+                f"{self._wait_seconds:.0f}s (phase: {round_.stats.phase}); another rank may be "
+                "dead or no longer calling step()"
+            )
+            raise self.failure from None
+        except BaseException as error:
+            self.failed, self.failure = round_, error
+            raise
+        round_.waited = True
+        self._recorder.landed(stats, started)
+        return stats
 
     def following(self, kind: RoundKind) -> RoundKind:
         """The kind of round after one of ``kind``."""

@@ -243,7 +243,7 @@ class AccoTrainer(Trainer):
         self._base_optimizer_class, self._base_optimizer_kwargs = self._base_optimizer()
         self._acco: AccoOptimizer | None = None
         self._acco_finished = False
-        self._plan: deque[_MicroBatch] = deque()
+        self._queued: deque[_MicroBatch] = deque()
         self._extra_iterator: Iterator[Any] | None = None
         self._extra_micro_batches = 0
         self._train_dataloader: DataLoader | None = None
@@ -391,7 +391,7 @@ class AccoTrainer(Trainer):
         weights = self._micro_batch_weights(batches)
         total = math.fsum(weights)
         split = (len(batches) + 1) // 2 if self.acco_mode is Mode.ACCO else 0
-        self._plan = deque(
+        self._queued = deque(
             _MicroBatch(weight=w, update_weight=total, ends_round=i + 1 == split, ends_update=i + 1 == len(batches))
             for i, w in enumerate(weights)
         )
@@ -421,20 +421,20 @@ class AccoTrainer(Trainer):
         acco = self._require_acco()
         acco.train()  # the live parameters back, if an evaluation or a save loaded the committed ones
         model.train()
-        if self._plan:
-            plan = self._plan.popleft()
+        if self._queued:
+            queued = self._queued.popleft()
         else:  # called outside the Trainer's loop: one micro-batch, no round boundary
             weight = self._micro_batch_weights([inputs])[0]
-            plan = _MicroBatch(weight=weight, update_weight=weight, ends_round=False, ends_update=False)
-        loss = self._forward_backward(model, inputs, plan.weight)
-        if plan.ends_round or plan.ends_update:
+            queued = _MicroBatch(weight=weight, update_weight=weight, ends_round=False, ends_update=False)
+        loss = self._forward_backward(model, inputs, queued.weight)
+        if queued.ends_round or queued.ends_update:
             if self.acco_accumulate_while_waiting:
                 self._accumulate_while_waiting(model)
-            if plan.ends_round and acco.step():
+            if queued.ends_round and acco.step():
                 self.lr_scheduler.step()  # once per committed update, before the next handover
-        if not plan.weight > 0:  # nothing to learn in it (and its mean is NaN)
+        if not queued.weight > 0:  # nothing to learn in it (and its mean is NaN)
             return torch.zeros_like(loss)
-        return loss * (plan.weight / plan.update_weight)
+        return loss * (queued.weight / queued.update_weight)
 
     def _forward_backward(self, model: nn.Module, inputs: dict[str, Any], weight: float) -> Tensor:
         inputs = self._prepare_inputs(inputs)
