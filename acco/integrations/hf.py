@@ -454,63 +454,14 @@ class AccoTrainer(Trainer):
 
     def _extra_batches(self) -> Iterator[Any]:
         if self._extra_iterator is None:
-            self._extra_iterator = self._cycle_extra_batches()
+            if self._train_dataloader is None:
+                raise RuntimeError("AccoTrainer: no training dataloader yet (train() has not started)")
+            self._extra_iterator = _extra_micro_batches(self._train_dataloader, self.args)
         return self._extra_iterator
 
-    def _cycle_extra_batches(self) -> Iterator[Any]:
-        """Endless micro-batches from this rank's share of the training set.
-
-        A plain DataLoader over the dataset and collator the Trainer prepared: accelerate's
-        own loader synchronises RNG state across ranks when an iteration starts, a
-        collective that ranks drawing different numbers of extra micro-batches would never
-        all reach.
-        """
-        loader = self._train_dataloader
-        if loader is None:
-            raise RuntimeError("AccoTrainer: no training dataloader yet (train() has not started)")
-        sampler = DistributedSampler(
-            loader.dataset,
-            num_replicas=self.args.world_size,
-            rank=self.args.process_index,
-            shuffle=True,
-            seed=self.args.seed + 1,  # not the Trainer's own order
-            drop_last=True,
-        )
-        extra = DataLoader(
-            loader.dataset,
-            batch_size=self.args.per_device_train_batch_size,
-            sampler=sampler,
-            collate_fn=loader.collate_fn,
-            drop_last=True,
-        )
-        for epoch in range(2**62):
-            sampler.set_epoch(epoch)
-            drawn = 0
-            for batch in extra:
-                drawn += 1
-                yield batch
-            if not drawn:
-                raise RuntimeError("acco_accumulate_while_waiting: this rank's share of the training set is empty")
-
     def _micro_batch_weights(self, batches: Sequence[Any]) -> list[float]:
-        """Label tokens per micro-batch where the Trainer would count them for
-        ``num_items_in_batch``; 1 per micro-batch otherwise (a mean of micro-batch means)."""
-        counts_tokens = (
-            len(batches) > 0
-            and isinstance(batches[0], Mapping)
-            and "labels" in batches[0]
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-        )
-        if not counts_tokens:
-            return [1.0] * len(batches)
-        try:
-            labels = [
-                b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if self._shifts_labels else b["labels"]
-                for b in batches
-            ]
-            return [float(n) for n in torch.stack([t.ne(-100).sum() for t in labels]).tolist()]
-        except (TypeError, AttributeError, RuntimeError):  # labels that are not tensors
-            return [1.0] * len(batches)
+        counts_tokens = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        return _token_weights(batches, counts_tokens, self._shifts_labels)
 
     def _finish(self, keep_model: bool = False) -> None:
         """Land the last update and close the comm lane (collective).
@@ -650,6 +601,54 @@ class _CommittedParameters(TrainerCallback):
     def _finish_when_done(self, args: TrainingArguments, control: TrainerControl) -> None:
         if self.training_over and not control.should_evaluate and not control.should_save:
             self.trainer._finish()
+
+
+def _extra_micro_batches(loader: DataLoader, args: TrainingArguments) -> Iterator[Any]:
+    """Endless micro-batches from this rank's share of the training set, reshuffled each pass.
+
+    A plain DataLoader over the dataset and collator the Trainer prepared: accelerate's own
+    loader synchronises RNG state across ranks when an iteration starts, a collective that
+    ranks drawing different numbers of extra micro-batches would never all reach.
+    """
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=args.world_size,
+        rank=args.process_index,
+        shuffle=True,
+        seed=args.seed + 1,  # not the Trainer's own order
+        drop_last=True,
+    )
+    extra = DataLoader(
+        loader.dataset,
+        batch_size=args.per_device_train_batch_size,
+        sampler=sampler,
+        collate_fn=loader.collate_fn,
+        drop_last=True,
+    )
+    for epoch in range(2**62):
+        sampler.set_epoch(epoch)
+        drawn = 0
+        for batch in extra:
+            drawn += 1
+            yield batch
+        if not drawn:
+            raise RuntimeError("acco_accumulate_while_waiting: this rank's share of the training set is empty")
+
+
+def _token_weights(batches: Sequence[Any], counts_tokens: bool, shifts_labels: bool) -> list[float]:
+    """Label tokens per micro-batch where the Trainer would count them for
+    ``num_items_in_batch`` (``counts_tokens``); 1 per micro-batch otherwise (a mean of
+    micro-batch means). Read in one host synchronisation."""
+    if not (counts_tokens and len(batches) > 0 and isinstance(batches[0], Mapping) and "labels" in batches[0]):
+        return [1.0] * len(batches)
+    try:
+        labels = [
+            b["shift_labels"] if "shift_labels" in b else b["labels"][..., 1:] if shifts_labels else b["labels"]
+            for b in batches
+        ]
+        return [float(n) for n in torch.stack([t.ne(-100).sum() for t in labels]).tolist()]
+    except (TypeError, AttributeError, RuntimeError):  # labels that are not tensors
+        return [1.0] * len(batches)
 
 
 def _check_training_args(args: TrainingArguments, mode: Mode) -> None:
