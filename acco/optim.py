@@ -160,8 +160,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._eval_stash: tuple[int, list[list[Tensor]]] | None = None
         self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
 
-    # ----------------------------------------------------------------- compute lane
-
     def accumulate(self, weight: float | Tensor | None = None) -> None:
         """End a micro-batch: fold its gradients into this round's accumulator.
 
@@ -295,11 +293,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.close()
 
     def close(self) -> None:
-        """Stop using the optimizer without landing the round in flight (not collective).
-
-        For error paths: the comm lane's thread stops once its current round ends (at the
-        latest after ``timeout``, since the other ranks will not join it). Idempotent.
-        """
+        """Stop without landing the round in flight (not collective; for error paths): the comm
+        lane's thread stops once its current round ends, at the latest after ``timeout``."""
         self._closed = True
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
@@ -322,13 +317,10 @@ class AccoOptimizer(torch.optim.Optimizer):
             raise RuntimeError("AccoOptimizer shards its param groups at construction; add_param_group is not supported")
         super().add_param_group(param_group)
 
-    # ---------------------------------------------------------------- what it holds
-
     @property
     def in_flight(self) -> RoundKind | None:
-        """The kind of the round on the comm lane (None in ``sync`` mode or before the
-        first ``step()``); the same on every rank. ``num_updates + (in_flight is
-        RoundKind.COMMIT)`` is the number of updates there will be once it lands."""
+        """The kind of the round on the comm lane (None in ``sync`` mode or before the first
+        ``step()``), the same on every rank; a commit adds one to ``num_updates`` once it lands."""
         return None if self._schedule.in_flight is None else self._schedule.in_flight.kind
 
     @property
@@ -341,9 +333,8 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     @property
     def collectives(self) -> Collectives:
-        """The collectives on the user's process group (documented internal API, for
-        :mod:`acco.checkpoint`; never call them while a round may be in flight on another
-        rank's lane without every rank doing the same)."""
+        """The collectives on the user's process group (for :mod:`acco.checkpoint`; every rank
+        must call them in the same order)."""
         return self._comm
 
     @property
@@ -368,8 +359,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         device has passed them; never blocks)."""
         return self._recorder.history
 
-    # ------------------------------------- committed parameters (schedule-free convention)
-
     def eval(self) -> None:
         """Load the committed parameters into the model, to evaluate or save it.
 
@@ -379,11 +368,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         (not collective), its result loaded, and the live parameters (the acco estimate, or
         dpu's) set aside until :meth:`train` (one copy of the parameters meanwhile).
 
-        Call :meth:`train` before the next forward pass (gradients are taken at the live
-        parameters), and before :func:`acco.checkpoint.save` with a model for an exact resume.
-
-        Raises:
-            CommLaneError / TimeoutError: the round in flight failed.
+        Call :meth:`train` before the next forward pass, and before :func:`acco.checkpoint.save`
+        with a model for an exact resume. Raises ``CommLaneError``/``TimeoutError`` as ``step()``.
         """
         if self._eval_stash is not None and self._eval_stash[0] == self._schedule.launched:
             return  # already holds the committed parameters
@@ -399,18 +385,13 @@ class AccoOptimizer(torch.optim.Optimizer):
                 group.load_params_from_buffer()
 
     def train(self) -> None:
-        """Put back the live parameters that :meth:`eval` set aside (no-op otherwise).
-
-        If ``step()`` or ``finish()`` ran since :meth:`eval`, the model already holds newer
-        parameters and they are kept.
-        """
+        """Put back the live parameters that :meth:`eval` set aside (no-op otherwise, or when
+        ``step()`` or ``finish()`` has loaded newer parameters since)."""
         stash, self._eval_stash = self._eval_stash, None
         if stash is None or stash[0] != self._schedule.launched or self._closed:
             return
         for group, values in zip(self._groups, stash[1]):
             group.load_params(values)
-
-    # ------------------------------------------------------------- round boundaries
 
     def _launch(self) -> None:
         """Hand this round's gradients over and start the next round on the comm lane."""
@@ -454,16 +435,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{call}() after finish() or close(): the optimizer is finished")
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer's state, at a round boundary; the schema is in
-        :mod:`acco.state`.
-
-        Waits for the round in flight (its result is kept and still lands at the next
-        ``step()``), so the natural moment is right after a ``step()``. Holds only tensors and
-        plain Python values: ``torch.load(path, weights_only=True)`` reads it back.
-        """
+        """This rank's part of the optimizer's state (schema: :mod:`acco.state`), tensors and
+        plain values only. Waits for the round in flight, whose result is saved and still lands
+        at the next ``step()``: the natural moment is right after a ``step()``."""
         self._check_usable("state_dict")
         round_ = self._schedule.in_flight
         if round_ is not None:
@@ -486,9 +461,8 @@ class AccoOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` with the same world size and layouts.
 
-        Load into a freshly built optimizer (no ``accumulate()`` or ``step()`` yet). Saved
-        by another world size or layout: use :func:`acco.checkpoint.load`. Everything is
-        checked before anything changes; a mismatch is a ``ValueError``.
+        Into a fresh optimizer (no ``accumulate()`` or ``step()`` yet); for another world size or
+        layout use :func:`acco.checkpoint.load`. A mismatch is a ``ValueError``, before any change.
 
         .. warning:: Collective when the saved state has a round in flight (its result is
             all-gathered again on the comm lane): every rank must call it.
