@@ -49,12 +49,14 @@ def build_groups(param_groups: Sequence[dict[str, Any]], options: Options, rank:
     return groups
 
 
-def start_identical(groups: Sequence[ShardedGroup], comm: Collectives, options: Options, header: list[str]) -> None:
-    """Check that every rank built the same groups, then give every rank rank 0's
-    parameters. ``ValueError`` on every rank when the model, mode, layout or optimizer class
-    differs. Collective."""
+def start_identical(
+    groups: Sequence[ShardedGroup], comm: Collectives, options: Options, header: list[str], extra: str = ""
+) -> None:
+    """Check that every rank built the same groups (and ``extra``, e.g. the module buffers),
+    then give every rank rank 0's parameters. ``ValueError`` on every rank when the model,
+    mode, layout or optimizer class differs. Collective."""
     fingerprint = "|".join(
-        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype)]
+        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra]
         + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
     )
     if not comm.same_on_all_ranks(fingerprint):

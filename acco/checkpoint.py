@@ -59,7 +59,7 @@ def save(
     Args:
         directory: the checkpoint's folder (e.g. ``runs/ckpt/step-000100``).
         optimizer: its ``state_dict()`` is saved, one shard per rank.
-        model: its ``state_dict()`` is saved once (parameters are identical on all ranks).
+        model: its ``state_dict()`` is saved once, from rank 0 (parameters are identical on all ranks).
         extra: this rank's own values (tensors, numbers, strings, lists, dicts), e.g. the
             data position; returned by :func:`load` on the same rank.
         keep: if given, then once this checkpoint is complete only the ``keep`` newest
@@ -79,7 +79,9 @@ def save(
     _flatten_into(state, f"acco.rank{rank}", optimizer.state_dict())
     if extra is not None:
         _flatten_into(state, f"extra.rank{rank}", dict(extra))
-    if model is not None:
+    if model is not None and rank == 0:
+        # Once, from rank 0: parameters are identical on every rank, module buffers may not be
+        # (each rank's own are in its acco shard), and DCP would keep any one rank's copy.
         for name, value in model.state_dict().items():
             state[f"model.{name}"] = value.detach().cpu()
     # DCP keeps no checksums: each rank records the digests of what it writes.

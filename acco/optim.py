@@ -28,6 +28,7 @@ from acco.buffers import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
 from acco.lane import make_lane
+from acco.module_buffers import BufferPolicy, module_buffers
 from acco.layout import Layout, ShardPlan
 from acco.options import (
     DEFAULT_TIMEOUT,
@@ -87,6 +88,12 @@ class AccoOptimizer(torch.optim.Optimizer):
             delta travel in this dtype (float8: one scale per chunk); commit rounds stay
             exact. An update then moves 1.5x (bf16) or 1.25x (float8) a ZeRO-1 update's
             bytes instead of 2x (docs/design.md, "The light estimate round").
+        buffers: keep the module's persistent buffers (BatchNorm statistics) identical
+            across ranks: ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` (the
+            mean) or None (left alone, e.g. with ``SyncBatchNorm``). They ride with the
+            rounds, one round behind, and are exact after ``finish()`` (:mod:`acco.module_buffers`).
+        module: the model whose buffers to keep identical when ``params`` are parameters or
+            param groups (default: ``params`` itself when it is a module).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon for hidden matrices) and ``layout``; it then
             takes its hyper-parameters from the group and that class's defaults.
@@ -124,6 +131,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         nonfinite: NonFinite | str = NonFinite.RAISE,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         estimate_dtype: torch.dtype | None = None,
+        buffers: BufferPolicy | str | None = BufferPolicy.BROADCAST,
+        module: nn.Module | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -131,8 +140,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         check_optimizer_class(optimizer_class)
         options = Options.check(
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype,
+            reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers,
         )  # fmt: skip
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"Invalid module: {type(module).__name__} (an nn.Module whose buffers to keep identical)")
         groups = resolve_groups(params, optimizer_class, options.layout)
         base_defaults = probe_defaults(optimizer_class, defaults)
         check_estimate_dtypes(estimate_dtype, options, groups)
@@ -145,14 +156,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._sealed = True
         self._groups = build_groups(self.param_groups, options, self._comm.rank, self._comm.world_size)
         self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
+        self._buffers = module_buffers(params if isinstance(params, nn.Module) else module, options.buffers, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
-        start_identical(self._groups, self._comm, options, header=[g["optimizer_class"].__qualname__ for g in self.param_groups])
+        start_identical(
+            self._groups, self._comm, options, header=[g["optimizer_class"].__qualname__ for g in self.param_groups],
+            extra="" if self._buffers is None else self._buffers.fingerprint(),
+        )  # fmt: skip
+        if self._buffers is not None:  # rank 0's buffers, as its parameters
+            self._buffers.land(self._buffers.synchronised(self._comm, broadcast=True), exact=True)
         self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options)
+        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options, self._buffers)
         self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False
@@ -286,6 +303,9 @@ class AccoOptimizer(torch.optim.Optimizer):
                 committed = False
             else:
                 committed = self._land_in_flight()
+            if self._buffers is not None:  # once more, without delay: identical from here on
+                final = functools.partial(self._buffers.synchronised, self._lane_comm)
+                self._buffers.land(self._lane.run(final, self.options.wait_seconds), exact=True)
             self._recorder.resolve(block=True)
             return committed
         finally:
@@ -402,6 +422,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         # scheduler has stepped for the previous update, so committed updates follow the
         # schedule exactly as in sync mode.
         round_ = self._schedule.launch(grads, [base_hyperparams(g) for g in self.param_groups])
+        round_.buffers = None if self._buffers is None else self._buffers.snapshot()
         round_.future = self._lane.submit(lambda: self._runner.run(round_))
         self._schedule.in_flight = round_
 
@@ -415,6 +436,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         with record_function("acco.load_params"):
             for group in self._groups:
                 group.load_params_from_buffer()
+            if round_.buffers is not None:
+                self._buffers.land(round_.buffers)
         if round_.kind is RoundKind.COMMIT and stats.skipped:
             self.skipped_updates += 1
             return False
@@ -448,6 +471,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             world_size=self.world_size, round_state=self._schedule.state_dict(self.in_flight),
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
                     "committed_weight": self.committed_weight},
+            buffers=None if self._buffers is None else self._buffers.state_dict(round_ and round_.buffers),
         )  # fmt: skip
 
     def check_state_dict(self, state_dict: Any) -> None:
@@ -456,6 +480,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         check_state_dict(
             state_dict, mode=self.mode.value, rank=self.rank, world_size=self.world_size,
             param_groups=self.param_groups, groups=self._groups,
+            buffer_names=None if self._buffers is None else self._buffers.names,
         )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -479,8 +504,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._schedule.load_state_dict(saved["round"])
+        in_flight_buffers = None
+        if self._buffers is not None and saved.get("buffers") is not None:
+            in_flight_buffers = self._buffers.load_state_dict(saved["buffers"])
         if in_flight_kind is not None:
             # The saved round in flight again: its result only needs all-gathering.
             round_ = self._schedule.replayed(RoundKind(in_flight_kind))
+            round_.buffers = in_flight_buffers
             round_.future = self._lane.submit(lambda: self._runner.replay(round_))
             self._schedule.in_flight = round_

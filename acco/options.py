@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from acco.layout import Layout
+from acco.module_buffers import BufferPolicy
 from acco.quantize import check_estimate_dtype
 
 __all__ = [
@@ -89,6 +90,7 @@ class Options:
     reduce_dtype: torch.dtype | None
     timeout: datetime.timedelta
     estimate_dtype: torch.dtype | None
+    buffers: BufferPolicy | None = BufferPolicy.BROADCAST
 
     @classmethod
     def check(
@@ -102,6 +104,7 @@ class Options:
         reduce_dtype: Any,
         timeout: Any,
         estimate_dtype: Any,
+        buffers: Any = BufferPolicy.BROADCAST,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value."""
         checked_mode = parse_enum(Mode, mode, "mode")
@@ -125,6 +128,7 @@ class Options:
             reduce_dtype=reduce_dtype,
             timeout=timeout,
             estimate_dtype=estimate_dtype,
+            buffers=None if buffers is None else parse_enum(BufferPolicy, buffers, "buffers"),
         )
 
     @property

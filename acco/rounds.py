@@ -20,6 +20,7 @@ from torch import Tensor
 
 from acco.folding import WeightSum
 from acco.lane import LaneFuture
+from acco.module_buffers import BufferSnapshot
 from acco.options import Mode
 from acco.telemetry import RoundStats, StatsRecorder
 
@@ -50,6 +51,7 @@ class Round:
         hyperparams: per param group, the hyper-parameters when the round was handed over.
         stats: its telemetry.
         future: the comm lane's result.
+        buffers: the module buffers' snapshot the round synchronises (None: none kept).
         waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
     """
 
@@ -60,6 +62,7 @@ class Round:
     hyperparams: list[dict[str, Any]]
     stats: RoundStats
     future: LaneFuture[RoundStats] | None = None
+    buffers: BufferSnapshot | None = None
     waited: bool = False
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from acco.buffers import ShardCopy, ShardedGroup
 from acco.collectives import Collectives
 from acco.lane import DeviceHooks
+from acco.module_buffers import BufferSync
 from acco.options import NonFinite, Options
 from acco.rounds import CommLaneError, Round, RoundKind
 from acco.telemetry import RoundStats, StatsRecorder
@@ -36,6 +37,7 @@ class RoundRunner:
         device_hooks: the lane's device hooks (stamps, small host copies).
         recorder: where the round's phases are stamped.
         options: ``nonfinite``, ``max_grad_norm``, ``estimate_dtype``, ``timeout``.
+        buffer_sync: the module buffers a round's snapshot is synchronised for, if any.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class RoundRunner:
         device_hooks: DeviceHooks,
         recorder: StatsRecorder,
         options: Options,
+        buffer_sync: BufferSync | None = None,
     ) -> None:
         self._groups = list(groups)
         self._base = list(base_optimizers)
@@ -53,6 +56,7 @@ class RoundRunner:
         self._device_hooks = device_hooks
         self._recorder = recorder
         self._options = options
+        self._buffer_sync = buffer_sync
 
     def run(self, round_: Round) -> RoundStats:
         """One round: the totals' all-reduce, reduce-scatter, clip, update, all-gather.
@@ -70,6 +74,7 @@ class RoundRunner:
                 for group in self._groups:
                     group.gather_input.copy_(group.prepare_master())
                 self._all_gather(stats)
+                self._synchronise_buffers(round_)
                 record.lane_end(stats)
                 return stats
             light = round_.kind is RoundKind.ESTIMATE and self._options.estimate_dtype is not None
@@ -91,6 +96,7 @@ class RoundRunner:
                     else:
                         group.gather_input.copy_(group.master)
             self._all_gather(stats, delta_from=masters if light else None)
+            self._synchronise_buffers(round_)
         except Exception as error:
             raise CommLaneError(
                 f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
@@ -117,6 +123,11 @@ class RoundRunner:
                     continue
                 delta = group.gather_input.to(group.master_dtype, copy=True).sub_(delta_from[number])
                 group.gather_from_delta(*self._comm.all_gather_quantized(delta, self._options.estimate_dtype))
+
+    def _synchronise_buffers(self, round_: Round) -> None:
+        if round_.buffers is not None and self._buffer_sync is not None:
+            with self._recorder.phase(round_.stats, "buffers"):
+                self._buffer_sync.synchronise(round_.buffers, self._comm)
 
     def _totals(self, round_: Round) -> tuple[float, float]:
         """All-reduce this rank's weights and flags; returns (update weight, how many

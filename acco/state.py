@@ -11,6 +11,8 @@ only, so ``torch.load(path, weights_only=True)`` reads it back)::
               "round": {"rounds_launched", "next_kind", "in_flight_kind" (or None),
                         "pending_weight", "pending_micro_batches",
                         "round_weight", "round_micro_batches"},
+              "buffers": None, or {"names", "live": this rank's module buffers,
+                        "snapshot" / "synced": the round in flight's (or None)},
               "groups": [{"layout", "optimizer_class", "shapes", "chunk", "param_dtype",
                           "reduce_dtype",
                           "master": fp32 shard, "base_state": {local index: {...}},
@@ -50,6 +52,7 @@ def build_state_dict(
     world_size: int,
     round_state: dict[str, Any],
     counts: dict[str, Any],
+    buffers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state dict above, at a round boundary (a round in flight has been waited for)."""
     in_flight = round_state["in_flight_kind"] is not None
@@ -64,6 +67,7 @@ def build_state_dict(
             "max_grad_norm": options.max_grad_norm,
             **counts,
             "round": round_state,
+            "buffers": buffers,
             "groups": [_group_state(g, s, b, in_flight) for g, s, b in zip(param_groups, groups, base_optimizers)],
         },
     }
@@ -136,6 +140,7 @@ def check_state_dict(
     world_size: int,
     param_groups: Sequence[dict[str, Any]],
     groups: Sequence[ShardedGroup],
+    buffer_names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The ``"acco"`` entry of a state dict that fits this optimizer; ``ValueError`` naming
     the first mismatch otherwise."""
@@ -167,6 +172,9 @@ def check_state_dict(
         for key, length in (("master", sharded.plan.chunk), ("grad_accumulator", sharded.plan.padded_numel)):
             if not isinstance(values[key], Tensor) or values[key].shape != (length,):
                 raise ValueError(f"param group {number}: saved {key} is not a tensor of {length} elements")
+    saved_buffers = saved.get("buffers")
+    if saved_buffers is not None and buffer_names is not None and list(saved_buffers["names"]) != list(buffer_names):
+        raise ValueError(f"saved module buffers {saved_buffers['names']} differ from this module's {list(buffer_names)}")
     return saved
 
 

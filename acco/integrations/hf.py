@@ -79,7 +79,7 @@ __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
 ACCO_CHECKPOINT_DIR = "acco"  # inside each Trainer checkpoint: acco's sharded optimizer state
 _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look for it find it
-_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout")
+_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers")
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 # Names whose optimizer needs the model or its own train()/eval() (LOMO, schedule-free):
@@ -168,7 +168,7 @@ class AccoTrainer(Trainer):
             the network takes (``acco_extra_micro_batches`` in the logs counts them), and a
             resume is no longer bit-exact.
         acco_kwargs: further ``AccoOptimizer`` arguments: ``layout``, ``param_dtype``,
-            ``reduce_dtype``, ``nonfinite``, ``timeout``.
+            ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``.
         *args, **kwargs: those of ``transformers.Trainer``.
 
     Raises:
@@ -297,6 +297,7 @@ class AccoTrainer(Trainer):
             self._base_optimizer_class,
             mode=self.acco_mode,
             max_grad_norm=self.args.max_grad_norm if self.args.max_grad_norm > 0 else None,
+            module=self.model,  # its persistent buffers stay identical across ranks
             **options,
         )
         self._acco_finished = False
