@@ -4,10 +4,11 @@ See docs/design.md for the algorithm and a map of the modules.
 """
 
 from acco.layout import Layout
+from acco.module_buffers import BufferPolicy
 from acco.optim import AccoOptimizer
 from acco.options import Mode, NonFinite
 from acco.rounds import CommLaneError, RoundKind
 from acco.telemetry import RoundStats
 
-__all__ = ["AccoOptimizer", "CommLaneError", "Layout", "Mode", "NonFinite", "RoundKind", "RoundStats"]
+__all__ = ["AccoOptimizer", "BufferPolicy", "CommLaneError", "Layout", "Mode", "NonFinite", "RoundKind", "RoundStats"]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from acco.collectives import Collectives
 from acco.layout import Layout, ShardPlan, plan_layout
+from acco.module_buffers import BufferSync
 from acco.options import Mode, Options
 from acco.quantize import dequantize_row
 
@@ -50,11 +51,16 @@ def build_groups(param_groups: Sequence[dict[str, Any]], options: Options, rank:
 
 
 def start_identical(
-    groups: Sequence[ShardedGroup], comm: Collectives, options: Options, header: list[str], extra: str = ""
+    groups: Sequence[ShardedGroup],
+    comm: Collectives,
+    options: Options,
+    header: list[str],
+    module_buffers: BufferSync | None = None,
 ) -> None:
-    """Check that every rank built the same groups (and ``extra``, e.g. the module buffers),
-    then give every rank rank 0's parameters. ``ValueError`` on every rank when the model,
-    mode, layout or optimizer class differs. Collective."""
+    """Check that every rank built the same groups (and module buffers), then give every
+    rank rank 0's parameters and buffers. ``ValueError`` on every rank when the model, mode,
+    layout or optimizer class differs. Collective."""
+    extra = "" if module_buffers is None else module_buffers.fingerprint()
     fingerprint = "|".join(
         [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra]
         + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
@@ -68,6 +74,8 @@ def start_identical(
         initial = group.initial_values()
         comm.broadcast_(initial, src=0)
         group.set_initial_values(initial)
+    if module_buffers is not None:
+        module_buffers.land(module_buffers.synchronised(comm, broadcast=True), exact=True)
 
 
 class ShardedGroup:

@@ -88,12 +88,10 @@ class AccoOptimizer(torch.optim.Optimizer):
             delta travel in this dtype (float8: one scale per chunk); commit rounds stay
             exact. An update then moves 1.5x (bf16) or 1.25x (float8) a ZeRO-1 update's
             bytes instead of 2x (docs/design.md, "The light estimate round").
-        buffers: keep the module's persistent buffers (BatchNorm statistics) identical
-            across ranks: ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` (the
-            mean) or None (left alone, e.g. with ``SyncBatchNorm``). They ride with the
-            rounds, one round behind, and are exact after ``finish()`` (:mod:`acco.module_buffers`).
-        module: the model whose buffers to keep identical when ``params`` are parameters or
-            param groups (default: ``params`` itself when it is a module).
+        buffers: the module's persistent buffers (BatchNorm statistics) across ranks:
+            ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` or None (left alone);
+            one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
+        module: the model whose buffers those are (default: ``params`` if a module).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon for hidden matrices) and ``layout``; it then
             takes its hyper-parameters from the group and that class's defaults.
@@ -158,12 +156,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         self._buffers = module_buffers(params if isinstance(params, nn.Module) else module, options.buffers, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
-        start_identical(
-            self._groups, self._comm, options, header=[g["optimizer_class"].__qualname__ for g in self.param_groups],
-            extra="" if self._buffers is None else self._buffers.fingerprint(),
-        )  # fmt: skip
-        if self._buffers is not None:  # rank 0's buffers, as its parameters
-            self._buffers.land(self._buffers.synchronised(self._comm, broadcast=True), exact=True)
+        names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
+        start_identical(self._groups, self._comm, options, names, self._buffers)
         self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
@@ -500,13 +494,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         in_flight_kind = saved["round"]["in_flight_kind"]
         # On the lane, so the base optimizers' state is allocated on the stream that uses it.
         run_on_lane = functools.partial(self._lane.run, timeout=self.options.wait_seconds)
-        restore_groups(state_dict, self.param_groups, self._groups, self._base, run_on_lane)
+        in_flight_buffers = restore_groups(state_dict, self.param_groups, self._groups, self._base, self._buffers, run_on_lane)
         self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._schedule.load_state_dict(saved["round"])
-        in_flight_buffers = None
-        if self._buffers is not None and saved.get("buffers") is not None:
-            in_flight_buffers = self._buffers.load_state_dict(saved["buffers"])
         if in_flight_kind is not None:
             # The saved round in flight again: its result only needs all-gathering.
             round_ = self._schedule.replayed(RoundKind(in_flight_kind))

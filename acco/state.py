@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from acco.buffers import ShardedGroup
+from acco.module_buffers import BufferSnapshot, BufferSync
 from acco.options import Options, base_hyperparams
 
 __all__ = ["STATE_VERSION", "build_state_dict", "check_state_dict", "restore_groups"]
@@ -78,11 +79,13 @@ def restore_groups(
     param_groups: Sequence[dict[str, Any]],
     groups: Sequence[ShardedGroup],
     base_optimizers: Sequence[torch.optim.Optimizer | None],
+    module_buffers: BufferSync | None,
     run_on_lane: Callable[[Callable[[], None]], None],
-) -> None:
+) -> BufferSnapshot | None:
     """Load a checked state dict's hyper-parameters, shards, accumulators, base optimizer
-    state (through ``run_on_lane``) and, with a round in flight, its saved result into
-    ``gather_input`` for the replayed round to all-gather."""
+    state (through ``run_on_lane``), module buffers and, with a round in flight, its saved
+    result into ``gather_input`` for the replayed round to all-gather; returns that round's
+    buffer snapshot (None: no buffers kept, or no round in flight)."""
     saved = state_dict["acco"]
     in_flight = saved["round"]["in_flight_kind"] is not None
     for group, values in zip(param_groups, state_dict["param_groups"]):
@@ -94,6 +97,9 @@ def restore_groups(
             run_on_lane(functools.partial(_load_base_state, sharded, base, values["base_state"]))
         if in_flight:
             sharded.gather_input.copy_(values["in_flight_result"])
+    if module_buffers is None or saved.get("buffers") is None:
+        return None
+    return module_buffers.load_state_dict(saved["buffers"])
 
 
 def _param_groups_state(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
