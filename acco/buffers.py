@@ -181,6 +181,7 @@ class ShardedGroup:
         # The estimate round's copy of the master shard and optimizer state (acco mode),
         # allocated at the first estimate and reused by every later one.
         self.estimate_copy: ShardCopy | None = None
+        self._live_aside: list[Tensor] | None = None  # eval()'s copy of the live parameters
 
     def _views(self, buffer: Tensor) -> list[Tensor]:
         return [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.plan.slots]
@@ -403,14 +404,16 @@ class ShardedGroup:
         for chunk, row, scale in zip(chunks, rows, scales):
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
 
-    def live_values(self) -> list[Tensor]:
-        """A copy of the live parameters (``eval()`` sets them aside)."""
-        return [p.detach().clone() for p in self.params]
+    def set_live_aside(self) -> None:
+        """Keep a copy of the live parameters (``eval()``, before loading the committed ones)."""
+        self._live_aside = [p.detach().clone() for p in self.params]
 
-    def load_params(self, values: Sequence[Tensor]) -> None:
-        """Put ``values`` (from :meth:`live_values`) back into the live parameters."""
-        with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], list(values))
+    def take_live_back(self, restore: bool) -> None:
+        """Drop the copy :meth:`set_live_aside` kept, first writing it back with ``restore``."""
+        aside, self._live_aside = self._live_aside, None
+        if restore and aside is not None:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], aside)
 
     def load_params_from_buffer(self) -> None:
         """Copy ``gathered`` into the live parameters: the only write to them.

@@ -138,10 +138,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         check_optimizer_class(optimizer_class)
         options = Options.check(
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers,
+            reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
         )  # fmt: skip
-        if module is not None and not isinstance(module, nn.Module):
-            raise TypeError(f"Invalid module: {type(module).__name__} (an nn.Module whose buffers to keep identical)")
         groups = resolve_groups(params, optimizer_class, options.layout)
         base_defaults = probe_defaults(optimizer_class, defaults)
         check_estimate_dtypes(estimate_dtype, options, groups)
@@ -149,10 +147,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.mode, self.nonfinite, self.layout = options.mode, options.nonfinite, options.layout
         self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, estimate_dtype
         self._comm = Collectives.from_user_group(process_group)
+        self.rank, self.world_size = self._comm.rank, self._comm.world_size
         self._sealed = False
         super().__init__(groups, base_defaults)
         self._sealed = True
-        self._groups = build_groups(self.param_groups, options, self._comm.rank, self._comm.world_size)
+        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size)
         self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         self._buffers = module_buffers(params if isinstance(params, nn.Module) else module, options.buffers, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
@@ -167,8 +166,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False
-        # (rounds launched when eval() swapped, the live parameters it set aside), or None.
-        self._eval_stash: tuple[int, list[list[Tensor]]] | None = None
+        self._eval_at: int | None = None  # rounds launched when eval() set the live parameters aside
         self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
 
     def accumulate(self, weight: float | Tensor | None = None) -> None:
@@ -338,14 +336,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         return None if self._schedule.in_flight is None else self._schedule.in_flight.kind
 
     @property
-    def world_size(self) -> int:
-        return self._comm.world_size
-
-    @property
-    def rank(self) -> int:
-        return self._comm.rank
-
-    @property
     def collectives(self) -> Collectives:
         """The collectives on the user's process group (for :mod:`acco.checkpoint`; every rank
         must call them in the same order)."""
@@ -385,27 +375,27 @@ class AccoOptimizer(torch.optim.Optimizer):
         Call :meth:`train` before the next forward pass, and before :func:`acco.checkpoint.save`
         with a model for an exact resume. Raises ``CommLaneError``/``TimeoutError`` as ``step()``.
         """
-        if self._eval_stash is not None and self._eval_stash[0] == self._schedule.launched:
-            return  # already holds the committed parameters
-        self._eval_stash = None  # set aside before a step(): the model has moved on since
+        if self._eval_at == self._schedule.launched:
+            return  # holds the committed parameters already
+        self.train()  # drops a copy set aside before a step(): the model has moved on since
         round_ = self._schedule.in_flight
         if round_ is None or round_.kind is not RoundKind.COMMIT:
             return
         self._check_usable("eval")
         self._schedule.wait(round_)  # its result still lands at the next step() or finish()
-        self._eval_stash = (self._schedule.launched, [group.live_values() for group in self._groups])
+        self._eval_at = self._schedule.launched
         with record_function("acco.load_params"):
             for group in self._groups:
+                group.set_live_aside()
                 group.load_params_from_buffer()
 
     def train(self) -> None:
         """Put back the live parameters that :meth:`eval` set aside (no-op otherwise, or when
         ``step()`` or ``finish()`` has loaded newer parameters since)."""
-        stash, self._eval_stash = self._eval_stash, None
-        if stash is None or stash[0] != self._schedule.launched or self._closed:
-            return
-        for group, values in zip(self._groups, stash[1]):
-            group.load_params(values)
+        restore = self._eval_at == self._schedule.launched and not self._closed
+        self._eval_at = None
+        for group in self._groups:
+            group.take_live_back(restore)
 
     def _launch(self) -> None:
         """Hand this round's gradients over and start the next round on the comm lane."""

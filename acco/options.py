@@ -105,8 +105,10 @@ class Options:
         timeout: Any,
         estimate_dtype: Any,
         buffers: Any = BufferPolicy.BROADCAST,
+        module: Any = None,
     ) -> Options:
-        """The options, or ``TypeError`` / ``ValueError`` naming the bad value."""
+        """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
+        is checked, not kept)."""
         checked_mode = parse_enum(Mode, mode, "mode")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number > 0, or None)")
@@ -115,6 +117,8 @@ class Options:
                 raise TypeError(f"Invalid {name}: {dtype!r} (a floating torch.dtype, or None)")
         if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"Invalid module: {type(module).__name__} (an nn.Module whose buffers to keep identical)")
         if estimate_dtype is not None and checked_mode is not Mode.ACCO:
             raise ValueError(
                 f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
