@@ -35,6 +35,30 @@ def micro_batch(round_: int, rank: int, index: int, size: int = 4) -> tuple[Tens
     return torch.randn(size, 5, generator=g), torch.randn(size, 3, generator=g)
 
 
+def micro_batches_per_round(round_: int, rank: int, uneven: bool) -> int:
+    """2 per round, or 2 and 3 in turn (ranks out of step) when ``uneven``."""
+    return 2 + ((round_ + rank) % 2 if uneven else 0)
+
+
+def round_data(rounds: int, world_size: int, uneven: bool) -> list[RoundData]:
+    """Every rank's micro-batches of each round at weight 1 (:func:`micro_batches_per_round`)."""
+    return [
+        [
+            (*micro_batch(r, rank, i), 1.0)
+            for rank in range(world_size)
+            for i in range(micro_batches_per_round(r, rank, uneven))
+        ]
+        for r in range(rounds)
+    ]
+
+
+def weighted_micro_batch(round_: int, rank: int, index: int) -> tuple[Tensor, Tensor, float]:
+    """A micro-batch of 1-6 samples; its gradient is a mean over them, so weight = size."""
+    size = 1 + (7 * round_ + 3 * rank + index) % 6
+    x, y = micro_batch(round_, rank, index, size=size)
+    return x, y, float(size)
+
+
 def loss_fn(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(model(x), y)
 

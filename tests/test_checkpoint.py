@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer, checkpoint
-from tests.ranks import RankError, RankPool
+from tests.ranks import RankPool
 from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(180)

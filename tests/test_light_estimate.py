@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import datetime
 import threading
-import time
 
 import pytest
 import torch
@@ -20,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer, RoundKind
-from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
-from tests.test_parity import assert_identical_across_ranks, assert_params_close, micro_batches_per_round, round_data
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close
+from tests.reference import (OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, micro_batches_per_round,
+                             params_of, round_data)
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = datetime.timedelta(seconds=30)
 # Where each function's send buffer is, and how many times its bytes cross the wire from
 # this rank, per rank in the group: an all-to-all keeps one chunk of N, an all-gather sends
 # its input to N - 1 ranks, a point-to-point send (the gloo reduce-scatter) once.

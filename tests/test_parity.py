@@ -6,26 +6,21 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
-from tests.reference import OPTIMIZERS, RECURRENCES, RoundData, loss_fn, make_model, micro_batch, params_of
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, this_rank
+from tests.reference import (OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, micro_batches_per_round,
+                             params_of, round_data)
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = datetime.timedelta(seconds=30)
-
-
-def micro_batches_per_round(round_: int, rank: int, uneven: bool) -> int:
-    return 2 + ((round_ + rank) % 2 if uneven else 0)
 
 
 def run_rank(mode: str, layout: str, optimizer: str, rounds: int, uneven: bool) -> dict:
     """One rank's training loop; every rank starts from different parameters."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     model = make_model(seed=rank)
     cls, hp = OPTIMIZERS[optimizer]
     opt = AccoOptimizer(model, cls, mode=mode, layout=layout, timeout=TIMEOUT, **hp)
@@ -37,17 +32,6 @@ def run_rank(mode: str, layout: str, optimizer: str, rounds: int, uneven: bool) 
         committed.append(opt.step())
     committed.append(opt.finish())
     return {"params": params_of(model), "committed": committed, "num_updates": opt.num_updates}
-
-
-def round_data(rounds: int, world_size: int, uneven: bool) -> list[RoundData]:
-    return [
-        [
-            (*micro_batch(r, rank, i), 1.0)
-            for rank in range(world_size)
-            for i in range(micro_batches_per_round(r, rank, uneven))
-        ]
-        for r in range(rounds)
-    ]
 
 
 def plain_training(optimizer: str, rounds: int, world_size: int) -> dict:
@@ -63,17 +47,6 @@ def plain_training(optimizer: str, rounds: int, world_size: int) -> dict:
         loss_fn(model, x, y).backward()
         opt.step()
     return params_of(model)
-
-
-def assert_identical_across_ranks(results: list[dict]) -> None:
-    for other in results[1:]:
-        for name, value in results[0]["params"].items():
-            assert torch.equal(value, other["params"][name]), f"{name} differs across ranks"
-
-
-def assert_params_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

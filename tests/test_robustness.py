@@ -1,4 +1,9 @@
-"""Faults and misuse: every failure is loud, fast and on every rank."""
+"""Faults: every failure is loud, fast and on every rank.
+
+A rank that raises, dies or hangs; an exception in the base optimizer on the comm lane;
+non-finite gradients under both policies; the lane thread's lifetime. Misuse of the API
+(bad arguments, wrong call order) is in tests/test_misuse.py.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer, CommLaneError
+from tests.helpers import TIMEOUT, assert_params_equal
 from tests.ranks import RankError, RankPool
 from tests.reference import loss_fn, make_model, micro_batch, params_of
 
@@ -78,8 +84,7 @@ def test_a_failing_rank_makes_the_other_raise_within_the_timeout(tmp_path, fault
 def nonfinite_rank(policy: str, mode: str) -> dict:
     rank = dist.get_rank()
     model = make_model()
-    opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, lr=1e-2, nonfinite=policy,
-                        timeout=datetime.timedelta(seconds=20))
+    opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, lr=1e-2, nonfinite=policy, timeout=TIMEOUT)
     history, committed, errors = [params_of(model)], [], []
     for r in range(6):
         loss_fn(model, *micro_batch(r, rank, 0)).backward()
@@ -114,8 +119,7 @@ def test_nan_gradients_with_skip_keep_parameters_unchanged_on_every_rank(ranks, 
     for result in results:
         assert result["errors"] == [] and result["finite"]
         assert result["skipped"] == 1
-        for name, value in result["history"][-1].items():
-            assert torch.equal(value, results[0]["history"][-1][name])
+        assert_params_equal(result["history"][-1], results[0]["history"][-1])
     history, committed = results[0]["history"], results[0]["committed"]
     # The round handed over at step 3 (index 2) is the poisoned one; it lands at step 4.
     # dpu: that commit is skipped, so the parameters after step 4 equal those after step 3.
@@ -123,12 +127,44 @@ def test_nan_gradients_with_skip_keep_parameters_unchanged_on_every_rank(ranks, 
     # which still sums the poisoned gradients, is skipped too.
     if mode == "dpu":
         assert committed[3] is False
-        assert all(torch.equal(history[4][k], history[3][k]) for k in history[3])
+        assert_params_equal(history[4], history[3])
         assert results[0]["updates"] == 5
     else:
         assert committed[4] is False  # the commit of update 2 was skipped
-        assert all(torch.equal(history[5][k], history[3][k]) for k in history[3])
+        assert_params_equal(history[5], history[3])
         assert results[0]["updates"] == 2
+
+
+class ExplodingSGD(torch.optim.SGD):
+    """SGD whose every step raises, standing in for a bug in the base optimizer."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        raise FloatingPointError("injected failure in the base optimizer")
+
+
+def lane_failure() -> list[str]:
+    """The messages of the calls after a commit round failed on the comm lane."""
+    model = make_model()
+    opt = AccoOptimizer(model, ExplodingSGD, mode="dpu", lr=0.1, timeout=TIMEOUT)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()
+    opt.step()  # launches the round that fails on the lane
+    messages = []
+    for call in (opt.step, opt.step, opt.finish):
+        try:
+            call()
+        except RuntimeError as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+def test_an_exception_on_the_lane_surfaces_at_the_next_call(ranks) -> None:
+    """The base optimizer's exception reaches the user as a CommLaneError at the next
+    call, on every rank, and every later call says the comm lane failed."""
+    for messages in ranks(2).run(lane_failure):
+        assert messages[0].startswith("CommLaneError: commit round 0 failed on the comm lane during update")
+        assert "injected failure" in messages[0]
+        assert all("after the comm lane failed" in m for m in messages[1:])
 
 
 def test_huge_finite_gradients_are_not_taken_for_non_finite():
@@ -176,22 +212,3 @@ def test_the_lane_thread_never_outlives_the_optimizer():
         wait_for_threads(before)
         with pytest.raises(RuntimeError, match="after finish"):
             opt.step()
-
-
-def test_misuse_is_reported_at_the_call():
-    model = make_model()
-    opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1)
-    loss_fn(model, *micro_batch(0, 0, 0)).backward()
-    opt.accumulate()
-    opt.step()
-    with pytest.raises(RuntimeError, match="fresh optimizer"):
-        opt.load_state_dict(opt.state_dict())  # mid-run
-    model[0].weight.data = model[0].weight.data.double()
-    with pytest.raises(RuntimeError, match="parameter 0 of group 0 changed"):
-        opt.step()
-    model[0].weight.data = model[0].weight.data.float()[:, :4]
-    with pytest.raises(RuntimeError, match="changed to \\(7, 4\\)"):
-        opt.accumulate()
-    opt.close()
-    with pytest.raises(ValueError, match="Invalid nonfinite"):
-        AccoOptimizer(make_model(), torch.optim.SGD, lr=0.1, nonfinite="ignore")
