@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "CUDA_TIMEOUT",
     "TIMEOUT",
     "assert_identical_across_ranks",
     "assert_params_close",
@@ -27,6 +28,8 @@ __all__ = [
 # the test in seconds instead of the default's minutes, yet a loaded 2-core machine running
 # 3 gloo ranks never reaches it in a healthy round.
 TIMEOUT = datetime.timedelta(seconds=30)
+# On CUDA the first rounds also create the CUDA context, the side stream and cuBLAS handles.
+CUDA_TIMEOUT = 2 * TIMEOUT
 
 
 def this_rank() -> int:
