@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import io
 import pickle
 import warnings
@@ -13,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer, checkpoint
+from tests.helpers import TIMEOUT
 from tests.ranks import RankPool
 from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(180)
-TIMEOUT = datetime.timedelta(seconds=30)
 GLOBAL_MICRO_BATCHES = 6  # per round, split over the ranks: 6 on 1 rank, 3 on 2, 2 on 3
 CONFIGS = [(mode, layout) for mode in ("sync", "dpu", "acco") for layout in ("flat", "tensor")]
 

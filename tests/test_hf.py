@@ -1,7 +1,7 @@
 """AccoTrainer against transformers.Trainer and against hand-written acco loops.
 
 Every test launches fresh processes as torchrun would (accelerate's state is per process;
-tests/hf_ranks.py) and trains a tiny Llama built from a config on padded data, so token
+``run_fresh`` in tests/ranks.py) and trains a tiny Llama built from a config on padded data, so token
 counts differ per micro-batch and per rank.
 """
 
@@ -21,9 +21,12 @@ pytest.importorskip("accelerate")
 
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
-from tests.hf_ranks import run_fresh  # noqa: E402
+from tests.helpers import assert_params_close  # noqa: E402
+from tests.ranks import run_fresh  # noqa: E402
+from tests.reference import params_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
+ATOL = 1e-6  # these comparisons allow 1e-6 absolute (rtol 1e-5), tighter than the helpers' default
 
 SEQ_LEN = 16
 PER_DEVICE = 2
@@ -67,10 +70,6 @@ def training_args(output_dir: str, **overrides):
     if not SEQUENTIAL_SAMPLING:  # older transformers 5.x: seeded random order, the same in every run
         del settings["train_sampling_strategy"]
     return TrainingArguments(**settings)
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def logged(trainer, key: str) -> list[float]:
@@ -323,19 +322,13 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
 # --------------------------------------------------------------------------- tests
 
 
-def assert_params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
 def test_sync_mode_equals_trainer_with_ddp(tmp_path):
     results = run_fresh(sync_against_ddp_trainer, str(tmp_path))
     for rank_result in results:
         for optim in ("sgd", "adamw_torch"):
             ddp, acco = rank_result[optim]["ddp"], rank_result[optim]["acco"]
             assert ddp["wrapped"] == "DistributedDataParallel" and acco["wrapped"] == "LlamaForCausalLM"
-            assert_params_close(acco["params"], ddp["params"])
+            assert_params_close(acco["params"], ddp["params"], atol=ATOL)
             assert acco["lr"] == pytest.approx(ddp["lr"], rel=1e-12) and len(acco["lr"]) == 4
             # acco's grad norm (on the comm lane, before clipping) is the one DDP's Trainer logs.
             assert acco["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4)
@@ -353,15 +346,15 @@ def test_matches_hand_written_loop_and_evaluates_committed_parameters(tmp_path, 
     results = run_fresh(acco_against_hand_loop, str(tmp_path), mode)
     for rank_result in results:
         assert rank_result["updates"] == 4 and rank_result["scheduler_updates"] == 4
-        assert_params_close(rank_result["trainer"], rank_result["loop"])
-        assert_params_close(rank_result["trainer"], rank_result["committed"][4])
+        assert_params_close(rank_result["trainer"], rank_result["loop"], atol=ATOL)
+        assert_params_close(rank_result["trainer"], rank_result["committed"][4], atol=ATOL)
         # Evaluations and checkpoints at step j hold the parameters of update j, never the
         # acco estimate (or dpu's previous parameters) the model computes at meanwhile.
         assert sorted(rank_result["evaluated"]) == [1, 2, 3, 4]
         for step, evaluated in rank_result["evaluated"].items():
-            assert_params_close(evaluated, rank_result["committed"][step])
+            assert_params_close(evaluated, rank_result["committed"][step], atol=ATOL)
         for step, saved in rank_result["saved"].items():
-            assert_params_close(saved, rank_result["committed"][step])
+            assert_params_close(saved, rank_result["committed"][step], atol=ATOL)
         # The LR each update was handed over with, as logged at its step.
         commits = rank_result["loop_lr"][1::2] if mode == "acco" else rank_result["loop_lr"]
         assert rank_result["trainer_lr"] == pytest.approx(commits, rel=1e-12)

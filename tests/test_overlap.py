@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import pytest
 import torch
 
 from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_params_close
 from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ class SlowSGD(torch.optim.SGD):
 
 def overlapping_rank(mode: str) -> dict:
     model = make_model()
-    opt = AccoOptimizer(model, SlowSGD, mode=mode, lr=0.1, timeout=datetime.timedelta(seconds=30))
+    opt = AccoOptimizer(model, SlowSGD, mode=mode, lr=0.1, timeout=TIMEOUT)
     intervals: list[list[tuple[float, float]]] = []
     for r in range(4):
         loss_fn(model, *micro_batch(r, 0, 0)).backward()
@@ -74,5 +74,5 @@ def test_cuda_stream_lane_matches_the_recurrence(mode):
         data.append([(x, y, 1.0)])
     opt.finish()
     expected = RECURRENCES[mode](params_of(make_model()), "adamw", data)
-    for name, value in params_of(model).items():
-        torch.testing.assert_close(value.cpu(), expected[name], rtol=1e-4, atol=1e-4)
+    assert_params_close({name: value.cpu() for name, value in params_of(model).items()}, expected,
+                        rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_flat, plan_layout, plan_tensor
 
+pytestmark = pytest.mark.timeout(60)
 LAYOUTS = [Layout.FLAT, Layout.TENSOR]
 
 # One dimension: mostly 1..4, zero about one time in seven.
@@ -53,7 +54,6 @@ def expected_buffer(plan: ShardPlan, params) -> torch.Tensor:
 # --------------------------------------------------------------------------- plans
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
@@ -90,7 +90,6 @@ def test_every_element_owned_by_exactly_one_rank(layout, shapes, world_size):
             assert len(holders) == 1
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
@@ -111,7 +110,6 @@ def test_padding(layout, shapes, world_size):
             offset += s.numel
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
 def test_tensor_layout_whole_tensors_and_balance(shapes, world_size):
@@ -148,7 +146,6 @@ def test_tensor_layout_whole_tensors_and_balance(shapes, world_size):
         assert plan.chunk <= math.ceil(total / world_size) + largest
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
 def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size):
@@ -165,7 +162,6 @@ def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size):
             assert all(i not in plan.owned(r) for r in range(world_size))
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "layout, shapes, world_size",
     [
@@ -192,7 +188,6 @@ def test_zero_size_tensor_owner_is_a_real_rank(layout, shapes, world_size):
 # --------------------------------------------------------------------------- buffers
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, dtype=dtypes, seed=st.integers(0, 2**16))
@@ -235,7 +230,6 @@ def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed):
     assert torch.equal(rebuilt, expected.float())
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, dtype=dtypes, seed=st.integers(0, 2**16))
 def test_tensor_layout_shard_views(shapes, world_size, dtype, seed):
@@ -266,7 +260,6 @@ def test_tensor_layout_shard_views(shapes, world_size, dtype, seed):
             assert (group.master[s.offset - start : s.offset - start + s.numel] == 7.0).all()
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, seed=st.integers(0, 2**16))
 def test_flat_layout_shard_views_is_the_single_chunk(shapes, world_size, seed):
@@ -318,7 +311,6 @@ def run_batches(group, params, batches, gen, expected):
         assert all(p.grad is None for p in params), "grads are consumed"
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=60, deadline=None)
 @given(case=grad_rounds(), seed=st.integers(0, 2**16))
@@ -368,7 +360,6 @@ def test_accumulate_and_hand_over(layout, case, seed):
     assert not group.grad_accumulator[padding].any()
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=40, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, weight=st.floats(-4, 4, allow_nan=False, width=32))
@@ -382,7 +373,6 @@ def test_accumulate_without_grads_is_a_no_op(layout, shapes, world_size, weight)
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_accumulate_grads_from_backward(layout):
     shapes = [(2, 3), (), (0, 4), (5,)]
@@ -401,7 +391,6 @@ def test_accumulate_grads_from_backward(layout):
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.timeout(60)
 def test_sparse_gradients_are_rejected():
     params = make_params([(3, 2)])
     group = ShardedGroup(params, plan_flat([(3, 2)], 2), rank=0)

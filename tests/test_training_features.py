@@ -3,19 +3,17 @@ each against an unsharded single-process reference."""
 
 from __future__ import annotations
 
-import datetime
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, this_rank
 from tests.reference import RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = datetime.timedelta(seconds=30)
 MAX_NORM = 0.05  # small enough that most updates are clipped
 
 
@@ -88,7 +86,7 @@ def build(config: str, model: nn.Module, mode: str) -> AccoOptimizer:
 
 
 def train_rank(config: str, mode: str, rounds: int) -> dict:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     model = make_model(seed=rank)
     opt = build(config, model, mode)
     scheduler = None
@@ -160,11 +158,6 @@ def plain_training(config: str, rounds: int, world_size: int) -> dict:
             "master": None if master is None else params_of(master)}
 
 
-def assert_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:
-    for name, value in expected.items():
-        torch.testing.assert_close(actual[name], value, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("config", ["groups", "clip", "muon"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sync_equals_single_process_training(ranks, world_size, config):
@@ -172,7 +165,7 @@ def test_sync_equals_single_process_training(ranks, world_size, config):
     results = ranks(world_size).run(train_rank, config, "sync", rounds)
     expected = plain_training(config, rounds, world_size)
     for result in results:
-        assert_close(result["params"], expected["params"])
+        assert_params_close(result["params"], expected["params"])
     if config == "clip":
         assert all(n > MAX_NORM for n in expected["norms"])  # clipping was active
         torch.testing.assert_close(results[0]["norms"], expected["norms"], rtol=1e-5, atol=0)
@@ -187,7 +180,7 @@ def test_lr_schedulers_over_20_updates(ranks, scheduler):
     results = ranks(2).run(train_rank, f"sched:{scheduler}", "sync", rounds)
     expected = plain_training(f"sched:{scheduler}", rounds, 2)
     assert results[0]["lrs"] == expected["lrs"]
-    assert_close(results[0]["params"], expected["params"])
+    assert_params_close(results[0]["params"], expected["params"])
 
 
 def test_bf16_params_with_an_fp32_master(ranks):
@@ -201,8 +194,8 @@ def test_bf16_params_with_an_fp32_master(ranks):
     reference = torch.cat([v.flatten() for v in expected["master"].values()])
     torch.testing.assert_close(flat_master[: reference.numel()], reference, rtol=1e-5, atol=1e-5)
     # The live bf16 parameters are the master rounded to bf16.
-    assert_close(results[0]["params"], {k: v.to(torch.bfloat16).float() for k, v in expected["master"].items()},
-                 tol=0)
+    assert_params_close(results[0]["params"],
+                        {k: v.to(torch.bfloat16).float() for k, v in expected["master"].items()}, rtol=0, atol=0)
 
 
 def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
@@ -231,9 +224,8 @@ def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
         params_of(make_model()), lambda m: torch.optim.AdamW(two_groups(m), lr=1e-2), data,
         max_norm=MAX_NORM, on_update=set_lr,
     )
-    assert_close(results[0]["params"], expected)
-    for name, value in results[0]["params"].items():
-        assert torch.equal(value, results[1]["params"][name])
+    assert_params_close(results[0]["params"], expected)
+    assert_identical_across_ranks(results)
 
 
 def test_a_16_bit_reduce_dtype_warns_and_fp32_accumulation_keeps_precision():
