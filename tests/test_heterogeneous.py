@@ -114,7 +114,7 @@ def telemetry_rank(compute_seconds: float) -> dict:
 def test_telemetry_is_consistent_and_a_fully_overlapped_round_is_hidden(ranks):
     for result in ranks(2).run(telemetry_rank, 0.2):
         for phases, lane in zip(result["phases"], result["lane"]):
-            assert set(phases) == {"weights", "reduce-scatter", "update", "all-gather"}
+            assert set(phases) == {"totals", "reduce-scatter", "update", "all-gather"}
             assert sum(phases.values()) <= lane + 1e-6
             assert sum(phases.values()) >= 0.8 * lane - 1e-3
         assert all(0.0 <= h <= 1.0 for h in result["hidden"])

@@ -77,7 +77,7 @@ def test_a_failing_rank_makes_the_other_raise_within_the_timeout(tmp_path, fault
         pool.close(kill=True)
     outcome = json.loads(report.read_text())
     assert outcome["error"].startswith("CommLaneError"), outcome
-    assert "round" in outcome["error"] and "during weights" in outcome["error"], outcome
+    assert "round" in outcome["error"] and "during totals" in outcome["error"], outcome
     assert outcome["seconds"] < FAULT_TIMEOUT + MARGIN, outcome
 
 
