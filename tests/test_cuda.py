@@ -58,7 +58,9 @@ def settle(opt: AccoOptimizer) -> None:
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 @pytest.mark.parametrize("optimizer", ["adamw", "asgd"])
-def test_step_returns_at_once_while_the_compute_stream_is_busy(cycles_per_second, optimizer, max_grad_norm):
+def test_step_returns_at_once_while_the_compute_stream_is_busy(cycles_per_second, optimizer, max_grad_norm) -> None:
+    """accumulate() + step() return in milliseconds while 0.5 s of compute is queued: no host
+    synchronisation on the training thread (clipping, ASGD, a device weight)."""
     model = wide_model()
     cls = {"adamw": torch.optim.AdamW, "asgd": torch.optim.ASGD}[optimizer]
     opt = AccoOptimizer(model, cls, mode="acco", lr=1e-3, max_grad_norm=max_grad_norm, timeout=CUDA_TIMEOUT)
@@ -99,7 +101,9 @@ class SleepySGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second):
+def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second) -> None:
+    """0.3 s on the lane's side stream and 0.3 s on the compute stream take about 0.3 s in all, and the
+    telemetry says the round was hidden."""
     model = wide_model()
     opt = AccoOptimizer(model, SleepySGD, mode="dpu", lr=1e-3, timeout=CUDA_TIMEOUT)
     x = torch.randn(64, 512, device="cuda")
@@ -170,11 +174,13 @@ def assert_same_run(cuda: dict, cpu: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_cuda_equals_cpu_at_world_size_one(mode, optimizer):
+def test_cuda_equals_cpu_at_world_size_one(mode, optimizer) -> None:
+    """On one GPU every mode computes what it computes on the CPU (clipping, unequal weights)."""
     assert_same_run(train("cuda", mode, optimizer), train("cpu", mode, optimizer), 1e-5)
 
 
-def test_bf16_parameters_with_an_fp32_master_on_cuda_follow_the_cpu():
+def test_bf16_parameters_with_an_fp32_master_on_cuda_follow_the_cpu() -> None:
+    """bf16 parameters keep an fp32 master shard on CUDA and follow the CPU run within bf16 rounding."""
     cuda = train("cuda", "acco", "adamw", param_dtype=torch.bfloat16)
     cpu = train("cpu", "acco", "adamw", param_dtype=torch.bfloat16)
     assert cuda["master_dtypes"] == [torch.float32]
@@ -191,7 +197,8 @@ def gloo_pair():
 
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mode):
+def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mode) -> None:
+    """Two ranks sharing a GPU over gloo compute what two CPU ranks compute, identical on both ranks."""
     cuda = gloo_pair.run(train, "cuda", mode, "adamw")
     cpu = gloo_pair.run(train, "cpu", mode, "adamw")
     assert_identical_across_ranks(cuda)
@@ -200,14 +207,16 @@ def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mo
 
 
 @pytest.mark.parametrize("estimate_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_gloo_on_cuda_tensors_light_estimate_equals_cpu(gloo_pair, estimate_dtype):
+def test_gloo_on_cuda_tensors_light_estimate_equals_cpu(gloo_pair, estimate_dtype) -> None:
+    """The light estimate round over gloo on CUDA tensors equals the same run on the CPU."""
     cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, None, estimate_dtype)
     cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, None, estimate_dtype)
     for rank in range(2):
         assert_same_run(cuda[rank], cpu[rank], 1e-5)
 
 
-def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair):
+def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair) -> None:
+    """bf16 parameters over gloo on CUDA tensors: identical ranks, the CPU run within bf16 rounding."""
     cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, torch.bfloat16)
     cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, torch.bfloat16)
     assert_identical_across_ranks(cuda)

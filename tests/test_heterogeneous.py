@@ -68,7 +68,10 @@ def recorded_round_data(results: list[dict], weighted: bool):
 
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
-def test_a_slow_rank_and_a_fast_rank(ranks, mode, weighted):
+def test_a_slow_rank_and_a_fast_rank(ranks, mode, weighted) -> None:
+    """With the ready() loop a fast rank accumulates at least twice the slow rank's micro-batches, both
+    leave on the same round with identical parameters, which follow the weighted recurrence over
+    what each rank computed; telemetry matches the record."""
     results = ranks(2).run(heterogeneous_rank, mode, 4, 1, weighted)
     fast, slow = results
     # Both ranks saw the same boundaries and left the loop on the same round.
@@ -111,7 +114,9 @@ def telemetry_rank(compute_seconds: float) -> dict:
     }
 
 
-def test_telemetry_is_consistent_and_a_fully_overlapped_round_is_hidden(ranks):
+def test_telemetry_is_consistent_and_a_fully_overlapped_round_is_hidden(ranks) -> None:
+    """The lane phases add up to the round's lane time, hidden shares lie in [0, 1], and rounds landing
+    during long compute are reported hidden."""
     for result in ranks(2).run(telemetry_rank, 0.2):
         for phases, lane in zip(result["phases"], result["lane"]):
             assert set(phases) == {"totals", "reduce-scatter", "update", "all-gather"}

@@ -322,7 +322,9 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
 # --------------------------------------------------------------------------- tests
 
 
-def test_sync_mode_equals_trainer_with_ddp(tmp_path):
+def test_sync_mode_equals_trainer_with_ddp(tmp_path) -> None:
+    """AccoTrainer(sync) equals Trainer with DDP on 2 ranks (SGD unclipped, AdamW clipped): parameters,
+    learning rates and logged grad norms; a DDP-wrapped model is refused."""
     results = run_fresh(sync_against_ddp_trainer, str(tmp_path))
     for rank_result in results:
         for optim in ("sgd", "adamw_torch"):
@@ -340,7 +342,9 @@ def test_sync_mode_equals_trainer_with_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
-def test_matches_hand_written_loop_and_evaluates_committed_parameters(tmp_path, mode):
+def test_matches_hand_written_loop_and_evaluates_committed_parameters(tmp_path, mode) -> None:
+    """AccoTrainer(acco or dpu) equals the documented hand-written loop, and every evaluation and
+    checkpoint holds the committed parameters of its update."""
     if not SEQUENTIAL_SAMPLING:
         pytest.skip("the hand-written loop needs the Trainer's data order: train_sampling_strategy='sequential'")
     results = run_fresh(acco_against_hand_loop, str(tmp_path), mode)
@@ -369,7 +373,10 @@ def stopped_run(tmp_path_factory):
     return directory, run_fresh(train_then_stop, str(directory))
 
 
-def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run):
+def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run) -> None:
+    """A run stopped at update 3 and resumed in new processes ends bit for bit where the uninterrupted
+    run does; with a slow rank the fast one accumulates extra micro-batches and the ranks still
+    agree."""
     directory, first = stopped_run
     assert [r["stopped_updates"] for r in first] == [3, 3]
     assert any(name.endswith(".distcp") for name in first[0]["acco_files"])
@@ -386,7 +393,9 @@ def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run):
     assert_params_close(second[0]["waiting"], second[1]["waiting"], rtol=0, atol=0)
 
 
-def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path):
+def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path) -> None:
+    """Without torchrun: unsupported settings are refused naming the argument, a plain and a bf16 run
+    train, and a 2-rank checkpoint resumes on 1 rank at its committed parameters."""
     directory, first = stopped_run
     checkpoint = str(directory / "stopped" / "checkpoint-3")
     (result,) = run_fresh(one_process, str(tmp_path), checkpoint, world_size=1, torchrun=False)
@@ -404,7 +413,7 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
-def test_optimizer_eval_shows_the_update_in_flight_and_train_restores(mode):
+def test_optimizer_eval_shows_the_update_in_flight_and_train_restores(mode) -> None:
     """AccoOptimizer.eval()/train(), what AccoTrainer relies on, in a plain loop (one process)."""
     from acco import AccoOptimizer, RoundKind
 

@@ -93,7 +93,12 @@ def light_rank(layout: str, dtype_name: str | None, rounds: int) -> dict:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_commits_follow_the_recurrence_rebuilt_from_the_decompressed_estimates(ranks, world_size, layout, dtype):
+def test_commits_follow_the_recurrence_rebuilt_from_the_decompressed_estimates(
+    ranks, world_size: int, layout: str, dtype: str
+) -> None:
+    """With estimate_dtype the committed parameters follow the acco recurrence rebuilt from the
+    estimate parameters the ranks actually used; those are the full-precision ones up to the
+    rounding of the delta, and not equal to them."""
     rounds = 8
     results = ranks(world_size).run(light_rank, layout, dtype, rounds)
     assert_identical_across_ranks(results)
@@ -142,7 +147,9 @@ def bytes_rank(dtype_name: str | None) -> list[int]:
     ("bfloat16", 0.5, 1.5),
     ("float8_e4m3fn", 0.25, 1.3),
 ])
-def test_an_estimate_round_moves_a_fraction_of_the_bytes(ranks, dtype, estimate_share, update_vs_zero1):
+def test_an_estimate_round_moves_a_fraction_of_the_bytes(ranks, dtype, estimate_share, update_vs_zero1) -> None:
+    """An estimate round puts half (bf16) or a quarter (float8) of a commit round's bytes on the wire;
+    commit rounds are unchanged, so an update moves at most 1.5x or 1.3x a ZeRO-1 update."""
     full = ranks(3).run(bytes_rank, None)[0]
     light = ranks(3).run(bytes_rank, dtype)[0]
     assert len(full) == len(light) == 6  # estimate, commit, estimate, ...

@@ -50,7 +50,9 @@ def weighted_rank(mode: str, style: str, rounds: int) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
-def test_micro_batch_weights_are_exact_and_hold_no_gradient(ranks, mode):
+def test_micro_batch_weights_are_exact_and_hold_no_gradient(ranks, mode) -> None:
+    """Weights given in a micro_batch() block (folded during backward, no p.grad left) give bit for bit
+    the parameters of weights given to accumulate(), and both follow the weighted recurrence."""
     rounds = 5
     blocks = ranks(2).run(weighted_rank, mode, "block", rounds)
     after = ranks(2).run(weighted_rank, mode, "after", rounds)
@@ -66,7 +68,9 @@ def test_micro_batch_weights_are_exact_and_hold_no_gradient(ranks, mode):
     assert_params_close(blocks[0]["params"], expected)
 
 
-def test_equal_weights_put_p_grad_in_the_accumulator():
+def test_equal_weights_put_p_grad_in_the_accumulator() -> None:
+    """With equal weights p.grad is a view of the accumulator after the first micro-batch, and training
+    equals the run with p.grad kept until accumulate()."""
     model = make_model()
     opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1)
     group = opt._groups[0]
@@ -97,7 +101,9 @@ def test_equal_weights_put_p_grad_in_the_accumulator():
     assert_params_equal(params_of(model), params_of(model2))
 
 
-def test_a_wider_reduce_dtype_folds_through_hooks():
+def test_a_wider_reduce_dtype_folds_through_hooks() -> None:
+    """bf16 parameters with an fp32 reduce dtype: hooks fold each gradient into the fp32 accumulator
+    and drop p.grad; the sum is exact."""
     # bf16 parameters, fp32 accumulation: p.grad cannot be an fp32 view, so the hooks fold
     # each gradient into the fp32 accumulator and drop it.
     model = nn.Linear(8, 4).to(torch.bfloat16)
@@ -149,7 +155,10 @@ def buffers_rank(mode: str, dtype: str) -> dict:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_buffers_per_rank_follow_the_formula(ranks, mode, dtype):
+def test_buffers_per_rank_follow_the_formula(ranks, mode, dtype) -> None:
+    """Each buffer's bytes per rank are what the design says (in-place reduce-scatter and all-gather in
+    the round's buffer, one gradient buffer in sync, the estimate's copy allocated once), and the
+    ranks agree."""
     results = ranks(2).run(buffers_rank, mode, dtype)
     assert_identical_across_ranks(results)
     for r in results:
@@ -224,7 +233,9 @@ def _cuda_round_peak(mode: str, explicit_weight: bool) -> dict:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_cuda_round_memory_agrees_with_the_formula(mode):
+def test_cuda_round_memory_agrees_with_the_formula(mode) -> None:
+    """On CUDA the memory acco adds is its buffers plus the optimizer state (within 1% + 1 MiB), and a
+    round never holds a model-size copy of the gradients."""
     lean = _cuda_round_peak(mode, explicit_weight=False)
     # At rest, on top of the parameters: acco's buffers (buffer_bytes: accumulator, hand-over,
     # master shard, ...) + the optimizer state, to within 1% + 1 MiB (the caching allocator

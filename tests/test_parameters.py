@@ -80,7 +80,9 @@ def plain_training(rounds: int, world_size: int) -> dict[str, Tensor]:
 
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_tied_frozen_and_unused_parameters(ranks, world_size, layout):
+def test_tied_frozen_and_unused_parameters(ranks, world_size, layout) -> None:
+    """A tied weight is managed once, a frozen layer is left alone and a branch unused in some micro-
+    batches counts as zero: sync equals plain training, the same on every rank."""
     rounds = 4
     results = [train_rank(layout, rounds)] if world_size == 1 else ranks(world_size).run(train_rank, layout, rounds)
     expected = plain_training(rounds, world_size)
@@ -91,7 +93,7 @@ def test_tied_frozen_and_unused_parameters(ranks, world_size, layout):
     assert_identical_across_ranks(results)
 
 
-def test_a_parameter_without_grad_in_a_whole_round_counts_as_zero():
+def test_a_parameter_without_grad_in_a_whole_round_counts_as_zero() -> None:
     """Unlike plain torch optimizers (which skip p.grad None), a sharded flat update sees
     zero: with SGD and no momentum or decay that leaves the parameter unchanged."""
     model = TiedModel()

@@ -52,7 +52,9 @@ def plain_training(optimizer: str, rounds: int, world_size: int) -> dict:
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layout, optimizer):
+def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layout, optimizer) -> None:
+    """sync (ZeRO-1) equals single-process training on all ranks' micro-batches at once, commits every
+    round, and all ranks hold identical parameters."""
     rounds = 4
     if world_size == 1:
         results = [run_rank("sync", layout, optimizer, rounds, False)]  # no process group
@@ -66,7 +68,9 @@ def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layou
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode):
+def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode) -> None:
+    """dpu and acco, with ranks starting from different parameters and uneven micro-batch counts, equal
+    their SPEC recurrence on every rank."""
     rounds = 6
     results = ranks(world_size).run(run_rank, mode, layout, "adamw", rounds, True)
     assert_identical_across_ranks(results)
@@ -76,7 +80,10 @@ def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode
 
 
 @pytest.mark.parametrize("rounds", [5, 6])
-def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rounds):
+def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rounds) -> None:
+    """acco's step() returns True exactly when it lands a commit round (rounds 2, 4, ...); finish()
+    lands a last commit round or drops a trailing estimate round, leaving the committed parameters
+    of the recurrence."""
     results = ranks(2).run(run_rank, "acco", "flat", "sgd", rounds, False)
     # step(): estimate, commit, estimate, ... lands; True when a commit lands.
     expected_steps = [r >= 2 and r % 2 == 0 for r in range(rounds)]
@@ -87,14 +94,16 @@ def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rou
     assert_params_close(results[0]["params"], expected)
 
 
-def test_dpu_commits_every_round_after_the_first(ranks):
+def test_dpu_commits_every_round_after_the_first(ranks) -> None:
+    """dpu commits every round after the first, finish() landing the last."""
     results = ranks(2).run(run_rank, "dpu", "tensor", "sgd", 4, False)
     assert results[1]["committed"] == [False, True, True, True, True]
     assert results[1]["num_updates"] == 4
 
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_world_size_one_without_a_process_group(mode):
+def test_world_size_one_without_a_process_group(mode) -> None:
+    """Without torch.distributed each mode still equals its recurrence."""
     assert not dist.is_initialized()
     result = run_rank(mode, "flat", "adamw", 4, True)
     init = params_of(make_model(seed=0))

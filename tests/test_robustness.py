@@ -65,7 +65,9 @@ def faulty_rank(fault: str, report: str) -> dict:
 
 
 @pytest.mark.parametrize("fault", ["raises", "killed", "stuck"])
-def test_a_failing_rank_makes_the_other_raise_within_the_timeout(tmp_path, fault):
+def test_a_failing_rank_makes_the_other_raise_within_the_timeout(tmp_path, fault) -> None:
+    """When rank 1 raises, dies or hangs, rank 0 gets a CommLaneError naming the round and phase within
+    the optimizer's timeout (plus a margin), never a hang."""
     report = tmp_path / "rank0.json"
     pool = RankPool(2)  # its own processes: a killed rank breaks a pool
     try:
@@ -107,14 +109,18 @@ def nonfinite_rank(policy: str, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
-def test_nan_gradients_on_one_rank_raise_on_every_rank(ranks, mode):
+def test_nan_gradients_on_one_rank_raise_on_every_rank(ranks, mode) -> None:
+    """A NaN gradient on one rank raises on every rank (nonfinite='raise'), before any parameter turns
+    non-finite."""
     for result in ranks(2).run(nonfinite_rank, "raise", mode):
         assert len(result["errors"]) == 1 and "non-finite gradients on 1 rank(s)" in result["errors"][0]
         assert result["finite"]
 
 
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
-def test_nan_gradients_with_skip_keep_parameters_unchanged_on_every_rank(ranks, mode):
+def test_nan_gradients_with_skip_keep_parameters_unchanged_on_every_rank(ranks, mode) -> None:
+    """With nonfinite='skip' the poisoned update is skipped on every rank: the parameters stay where
+    they were and the ranks agree."""
     results = ranks(2).run(nonfinite_rank, "skip", mode)
     for result in results:
         assert result["errors"] == [] and result["finite"]
@@ -167,7 +173,8 @@ def test_an_exception_on_the_lane_surfaces_at_the_next_call(ranks) -> None:
         assert all("after the comm lane failed" in m for m in messages[1:])
 
 
-def test_huge_finite_gradients_are_not_taken_for_non_finite():
+def test_huge_finite_gradients_are_not_taken_for_non_finite() -> None:
+    """Finite gradients whose fp32 sum overflows are not mistaken for non-finite; real infinities are."""
     param = torch.nn.Parameter(torch.zeros(8))
     opt = AccoOptimizer([param], torch.optim.SGD, mode="sync", lr=0.0)
     param.grad = torch.full((8,), 3e38)  # finite, but their float32 sum overflows
@@ -181,7 +188,9 @@ def test_huge_finite_gradients_are_not_taken_for_non_finite():
     opt.close()
 
 
-def test_the_lane_thread_never_outlives_the_optimizer():
+def test_the_lane_thread_never_outlives_the_optimizer() -> None:
+    """The comm lane's thread ends when an optimizer with a round in flight is collected, or when a
+    with block exits on any exception."""
     before = len(lane_threads())
 
     def one_round():

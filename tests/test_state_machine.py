@@ -122,14 +122,18 @@ configs = st.sampled_from([("acco", "flat"), ("dpu", "tensor"), ("sync", "flat")
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, operations=sequences)
-def test_random_calls_on_one_rank(config, operations):
+def test_random_calls_on_one_rank(config, operations) -> None:
+    """Random call sequences on one rank: each call works as documented or raises a documented error,
+    and the parameters stay finite."""
     run_sequence(*config, operations)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(config=configs, operations=sequences)
-def test_random_calls_on_two_ranks(ranks, config, operations):
+def test_random_calls_on_two_ranks(ranks, config, operations) -> None:
+    """The same sequence on two ranks gives the same outcomes and identical parameters on both, without
+    a hang."""
     first, second = ranks(2).run(run_sequence, *config, operations, timeout=60)
     assert first["outcomes"] == second["outcomes"]
     assert_params_equal(second["params"], first["params"])

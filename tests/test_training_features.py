@@ -160,7 +160,9 @@ def plain_training(config: str, rounds: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("config", ["groups", "clip", "muon"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_sync_equals_single_process_training(ranks, world_size, config):
+def test_sync_equals_single_process_training(ranks, world_size, config) -> None:
+    """sync with two param groups, global-norm clipping (same norms) or per-group Muon + AdamW equals
+    single-process training on the global batch."""
     rounds = 5
     results = ranks(world_size).run(train_rank, config, "sync", rounds)
     expected = plain_training(config, rounds, world_size)
@@ -175,7 +177,9 @@ def test_sync_equals_single_process_training(ranks, world_size, config):
 
 
 @pytest.mark.parametrize("scheduler", ["lambda", "cosine", "onecycle", "warmup_cosine"])
-def test_lr_schedulers_over_20_updates(ranks, scheduler):
+def test_lr_schedulers_over_20_updates(ranks, scheduler) -> None:
+    """LR schedulers driven by committed steps give the single-process learning rates and parameters
+    over 20 updates."""
     rounds = 20
     results = ranks(2).run(train_rank, f"sched:{scheduler}", "sync", rounds)
     expected = plain_training(f"sched:{scheduler}", rounds, 2)
@@ -183,7 +187,9 @@ def test_lr_schedulers_over_20_updates(ranks, scheduler):
     assert_params_close(results[0]["params"], expected["params"])
 
 
-def test_bf16_params_with_an_fp32_master(ranks):
+def test_bf16_params_with_an_fp32_master(ranks) -> None:
+    """bf16 parameters with fp32 master shards: the masters, concatenated, are the reference fp32
+    master, and the live parameters are it rounded to bf16."""
     rounds = 5
     results = ranks(2).run(train_rank, "bf16", "sync", rounds)
     expected = plain_training("bf16", rounds, 2)
@@ -198,7 +204,9 @@ def test_bf16_params_with_an_fp32_master(ranks):
                         {k: v.to(torch.bfloat16).float() for k, v in expected["master"].items()}, rtol=0, atol=0)
 
 
-def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
+def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks) -> None:
+    """acco with param groups, clipping and a warm-up cosine schedule equals its recurrence with the
+    documented rule for which lr each estimate and commit use."""
     rounds = 12
     results = ranks(2).run(train_rank, "acco", "acco", rounds)
     data = [[(*micro_batch(r, rank, i), 1.0) for rank in range(2) for i in range(2)] for r in range(rounds)]
@@ -228,7 +236,8 @@ def test_acco_with_groups_clipping_and_a_scheduler_equals_its_recurrence(ranks):
     assert_identical_across_ranks(results)
 
 
-def test_a_16_bit_reduce_dtype_warns_and_fp32_accumulation_keeps_precision():
+def test_a_16_bit_reduce_dtype_warns_and_fp32_accumulation_keeps_precision() -> None:
+    """A bf16 reduce dtype warns, and an fp32 one sums 256 bf16 gradients 100x more precisely."""
     with pytest.warns(UserWarning, match="reduce_dtype=torch.float32"):
         AccoOptimizer(make_model(), torch.optim.SGD, mode="sync", lr=0.1, param_dtype=torch.bfloat16)
     # 256 micro-batch gradients of bf16 parameters, summed in fp32 vs in bf16.
