@@ -89,6 +89,7 @@ def test_bad_arguments_run_no_collective(ranks) -> None:
 
 
 def mismatched_models() -> str:
+    """Each rank builds a Linear of another width: the constructor's error message."""
     model = nn.Linear(5, 7 + dist.get_rank())
     try:
         AccoOptimizer(model, torch.optim.AdamW, timeout=TIMEOUT)
@@ -107,6 +108,7 @@ def test_a_model_that_differs_across_ranks_fails_on_every_rank(ranks) -> None:
 
 
 def step_without_accumulate(mode: str) -> str:
+    """One accumulated round, then rounds with nothing accumulated: the lane's error."""
     model = make_model()
     opt = construct(params=model, mode=mode)
     loss_fn(model, *micro_batch(0, 0, 0)).backward()
