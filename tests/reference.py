@@ -1,6 +1,6 @@
-"""One-process references: the model, the data, and SPEC section 2's recurrences.
+"""One-process references: the model, the data, and the recurrences of docs/design.md, "The algorithm".
 
-Written from the SPEC's equations, independently of acco's round logic: a full
+Written from the design's equations, independently of acco's round logic: a full
 (unsharded) torch optimizer on a copy of the parameters, gradients recomputed from the
 data each rank saw.
 """
@@ -33,6 +33,30 @@ def make_model(seed: int = 0) -> nn.Module:
 def micro_batch(round_: int, rank: int, index: int, size: int = 4) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(100_000 * round_ + 1_000 * rank + index)
     return torch.randn(size, 5, generator=g), torch.randn(size, 3, generator=g)
+
+
+def micro_batches_per_round(round_: int, rank: int, uneven: bool) -> int:
+    """2 per round, or 2 and 3 in turn (ranks out of step) when ``uneven``."""
+    return 2 + ((round_ + rank) % 2 if uneven else 0)
+
+
+def round_data(rounds: int, world_size: int, uneven: bool) -> list[RoundData]:
+    """Every rank's micro-batches of each round at weight 1 (:func:`micro_batches_per_round`)."""
+    return [
+        [
+            (*micro_batch(r, rank, i), 1.0)
+            for rank in range(world_size)
+            for i in range(micro_batches_per_round(r, rank, uneven))
+        ]
+        for r in range(rounds)
+    ]
+
+
+def weighted_micro_batch(round_: int, rank: int, index: int) -> tuple[Tensor, Tensor, float]:
+    """A micro-batch of 1-6 samples; its gradient is a mean over them, so weight = size."""
+    size = 1 + (7 * round_ + 3 * rank + index) % 6
+    x, y = micro_batch(round_, rank, index, size=size)
+    return x, y, float(size)
 
 
 def loss_fn(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:

@@ -6,7 +6,6 @@ other's unless acco keeps them identical.
 
 from __future__ import annotations
 
-import datetime
 import tempfile
 
 import pytest
@@ -15,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer, checkpoint
+from tests.helpers import TIMEOUT, assert_identical_across_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
-TIMEOUT = datetime.timedelta(seconds=30)
 ROUNDS = 8
 
 
@@ -53,25 +52,23 @@ def trained(mode: str, buffers: str | None, ready_loop: bool = False) -> dict[st
     opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, buffers=buffers, lr=1e-2, timeout=TIMEOUT)
     train_rounds(model, opt, range(ROUNDS), ready_loop)
     opt.finish()
-    return state_of(model)
+    return {"state": state_of(model)}
 
 
 @pytest.mark.parametrize("buffers", ["broadcast", "average"])
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
 def test_parameters_and_buffers_are_bit_identical_after_finish(ranks, mode, buffers):
-    first, second = ranks(2).run(trained, mode, buffers)
-    assert set(first) == set(second) and "1.running_mean" in first
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
+    results = ranks(2).run(trained, mode, buffers)
+    assert "1.running_mean" in results[0]["state"] and "1.num_batches_tracked" in results[0]["state"]
+    assert_identical_across_ranks(results, key="state")
 
 
 def test_the_ready_loop_keeps_them_identical_too(ranks):
-    first, second = ranks(2).run(trained, "acco", "average", True)
-    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert_identical_across_ranks(ranks(2).run(trained, "acco", "average", True), key="state")
 
 
 def test_none_leaves_each_rank_its_own_statistics(ranks):
-    first, second = ranks(2).run(trained, "acco", None)
+    first, second = (result["state"] for result in ranks(2).run(trained, "acco", None))
     assert all(torch.equal(first[n], second[n]) for n in first if "running" not in n)  # parameters: identical
     assert not torch.allclose(first["1.running_mean"], second["1.running_mean"])  # differently scaled data
 

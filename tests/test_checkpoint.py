@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import io
 import pickle
 import warnings
@@ -13,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer, checkpoint
-from tests.ranks import RankError, RankPool
+from tests.helpers import TIMEOUT
+from tests.ranks import RankPool
 from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(180)
-TIMEOUT = datetime.timedelta(seconds=30)
 GLOBAL_MICRO_BATCHES = 6  # per round, split over the ranks: 6 on 1 rank, 3 on 2, 2 on 3
 CONFIGS = [(mode, layout) for mode in ("sync", "dpu", "acco") for layout in ("flat", "tensor")]
 
@@ -101,7 +100,9 @@ def saved_on_two_ranks(ranks, tmp_path_factory):
     return directory, results
 
 
-def test_resume_in_fresh_processes_is_bit_identical(saved_on_two_ranks):
+def test_resume_in_fresh_processes_is_bit_identical(saved_on_two_ranks) -> None:
+    """Saved at round 3 on 2 ranks and resumed in new processes, every mode and layout ends bit for bit
+    where the uninterrupted run does, optimizer state included."""
     directory, uninterrupted = saved_on_two_ranks
     fresh = RankPool(2)  # new processes: nothing survives but the files
     try:
@@ -115,7 +116,9 @@ def test_resume_in_fresh_processes_is_bit_identical(saved_on_two_ranks):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_reshard_from_two_ranks(ranks, saved_on_two_ranks, world_size):
+def test_reshard_from_two_ranks(ranks, saved_on_two_ranks, world_size) -> None:
+    """A 2-rank checkpoint loads on 1 or 3 ranks, into either layout: sync ends where the uninterrupted
+    run does, acco follows its recurrence, and all ranks agree."""
     directory, uninterrupted = saved_on_two_ranks
     jobs = [("sync", "flat", "flat"), ("sync", "tensor", "flat"), ("acco", "flat", "tensor"), ("acco", "tensor", "tensor")]
     for mode, layout, new_layout in jobs:
@@ -176,7 +179,9 @@ def saved_value_offset(directory: Path, content: bytes) -> int:
     return start + len(raw) // 2
 
 
-def test_a_mismatched_or_damaged_checkpoint_is_refused_on_every_rank(ranks, saved_on_two_ranks, tmp_path):
+def test_a_mismatched_or_damaged_checkpoint_is_refused_on_every_rank(ranks, saved_on_two_ranks, tmp_path) -> None:
+    """Another model, another optimizer, a flipped byte or a truncated file: a ValueError on every
+    rank, with the model and optimizer unchanged and still usable."""
     directory, _ = saved_on_two_ranks
     for what, message in (("other model", "shape|does not match"), ("other optimizer", "optimizer_class")):
         for error in ranks(2).run(a_bad_load, directory, what):
@@ -203,7 +208,8 @@ class Payload:
         return (exec, ("raise SystemExit('the payload ran')",))
 
 
-def test_a_pickle_payload_is_refused_without_running_it(tmp_path):
+def test_a_pickle_payload_is_refused_without_running_it(tmp_path) -> None:
+    """A pickled payload in a checkpoint's metadata is refused before it can run."""
     model, opt = build("sync", "flat")
     # A torch.save file carrying a payload next to a real state dict.
     path = tmp_path / "state.pt"
@@ -219,7 +225,9 @@ def test_a_pickle_payload_is_refused_without_running_it(tmp_path):
     opt.finish()
 
 
-def test_state_dict_round_trips_through_weights_only_load():
+def test_state_dict_round_trips_through_weights_only_load() -> None:
+    """state_dict() survives torch.load(weights_only=True), records the round in flight, and loads only
+    into a fresh optimizer."""
     model, opt = build("acco", "tensor")
     train_rounds(model, opt, 0, 3)
     buffer = io.BytesIO()
@@ -235,7 +243,8 @@ def test_state_dict_round_trips_through_weights_only_load():
         other.load_state_dict(state)
 
 
-def test_latest_names_only_complete_checkpoints(tmp_path):
+def test_latest_names_only_complete_checkpoints(tmp_path) -> None:
+    """latest_checkpoint() ignores a save that died half-way."""
     model, opt = build("sync", "flat")
     assert checkpoint.latest_checkpoint(tmp_path) is None
     first = checkpoint.save(tmp_path / "step-1", opt, model)

@@ -7,32 +7,27 @@ computes what the CPU computes. Skipped without CUDA.
 - a round sleeping on the side stream and compute sleeping on the compute stream take the
   time of one sleep, not two;
 - sync / dpu / acco on CUDA equal the same run on CPU: world size 1, world size 2 with gloo
-  on CUDA tensors (two ranks sharing one GPU), and bf16 parameters with an fp32 master;
-- NCCL runs from the lane's worker thread (a group of one rank, collectives forced on).
+  on CUDA tensors (two ranks sharing one GPU), and bf16 parameters with an fp32 master.
+
+That NCCL collectives run from the lane's thread is in tests/test_collectives.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import datetime
-import multiprocessing as mp
-import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer
+from tests.helpers import CUDA_TIMEOUT, assert_identical_across_ranks, this_rank
 from tests.reference import OPTIMIZERS, loss_fn, make_model, micro_batch, params_of
-from tests.ranks import free_port
 
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-TIMEOUT = datetime.timedelta(seconds=60)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +58,12 @@ def settle(opt: AccoOptimizer) -> None:
 
 @pytest.mark.parametrize("max_grad_norm", [None, 1.0])
 @pytest.mark.parametrize("optimizer", ["adamw", "asgd"])
-def test_step_returns_at_once_while_the_compute_stream_is_busy(cycles_per_second, optimizer, max_grad_norm):
+def test_step_returns_at_once_while_the_compute_stream_is_busy(cycles_per_second, optimizer, max_grad_norm) -> None:
+    """accumulate() + step() return in milliseconds while 0.5 s of compute is queued: no host
+    synchronisation on the training thread (clipping, ASGD, a device weight)."""
     model = wide_model()
     cls = {"adamw": torch.optim.AdamW, "asgd": torch.optim.ASGD}[optimizer]
-    opt = AccoOptimizer(model, cls, mode="acco", lr=1e-3, max_grad_norm=max_grad_norm, timeout=TIMEOUT)
+    opt = AccoOptimizer(model, cls, mode="acco", lr=1e-3, max_grad_norm=max_grad_norm, timeout=CUDA_TIMEOUT)
     x = torch.randn(64, 512, device="cuda")
     for _ in range(4):  # the lane thread, CUDA context and optimizer state exist from here on
         model(x).square().mean().backward()
@@ -104,9 +101,11 @@ class SleepySGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second):
+def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second) -> None:
+    """0.3 s on the lane's side stream and 0.3 s on the compute stream take about 0.3 s in all, and the
+    telemetry says the round was hidden."""
     model = wide_model()
-    opt = AccoOptimizer(model, SleepySGD, mode="dpu", lr=1e-3, timeout=TIMEOUT)
+    opt = AccoOptimizer(model, SleepySGD, mode="dpu", lr=1e-3, timeout=CUDA_TIMEOUT)
     x = torch.randn(64, 512, device="cuda")
     for _ in range(3):
         model(x).square().mean().backward()
@@ -140,12 +139,12 @@ def test_a_round_and_the_compute_overlap_on_the_gpu(cycles_per_second):
 def train(device: str, mode: str, optimizer: str, rounds: int = 6, param_dtype: torch.dtype | None = None,
           estimate_dtype: torch.dtype | None = None) -> dict:
     """A run with clipping and unequal weights (tensors on ``device``); params on the CPU."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     model = make_model(seed=rank).to(device)
     cls, hp = OPTIMIZERS[optimizer]
     opt = AccoOptimizer(
         model, cls, mode=mode, max_grad_norm=0.5, param_dtype=param_dtype,
-        reduce_dtype=torch.float32 if param_dtype else None, timeout=TIMEOUT, estimate_dtype=estimate_dtype, **hp,
+        reduce_dtype=torch.float32 if param_dtype else None, timeout=CUDA_TIMEOUT, estimate_dtype=estimate_dtype, **hp,
     )
     committed = []
     for r in range(rounds):
@@ -175,11 +174,13 @@ def assert_same_run(cuda: dict, cpu: dict, tol: float) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_cuda_equals_cpu_at_world_size_one(mode, optimizer):
+def test_cuda_equals_cpu_at_world_size_one(mode, optimizer) -> None:
+    """On one GPU every mode computes what it computes on the CPU (clipping, unequal weights)."""
     assert_same_run(train("cuda", mode, optimizer), train("cpu", mode, optimizer), 1e-5)
 
 
-def test_bf16_parameters_with_an_fp32_master_on_cuda_follow_the_cpu():
+def test_bf16_parameters_with_an_fp32_master_on_cuda_follow_the_cpu() -> None:
+    """bf16 parameters keep an fp32 master shard on CUDA and follow the CPU run within bf16 rounding."""
     cuda = train("cuda", "acco", "adamw", param_dtype=torch.bfloat16)
     cpu = train("cpu", "acco", "adamw", param_dtype=torch.bfloat16)
     assert cuda["master_dtypes"] == [torch.float32]
@@ -196,93 +197,27 @@ def gloo_pair():
 
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mode):
+def test_gloo_on_cuda_tensors_equals_gloo_on_cpu_at_world_size_two(gloo_pair, mode) -> None:
+    """Two ranks sharing a GPU over gloo compute what two CPU ranks compute, identical on both ranks."""
     cuda = gloo_pair.run(train, "cuda", mode, "adamw")
     cpu = gloo_pair.run(train, "cpu", mode, "adamw")
-    for name in cuda[0]["params"]:
-        assert torch.equal(cuda[0]["params"][name], cuda[1]["params"][name]), f"{name} differs across ranks"
+    assert_identical_across_ranks(cuda)
     for rank in range(2):
         assert_same_run(cuda[rank], cpu[rank], 1e-5)
 
 
 @pytest.mark.parametrize("estimate_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_gloo_on_cuda_tensors_light_estimate_equals_cpu(gloo_pair, estimate_dtype):
+def test_gloo_on_cuda_tensors_light_estimate_equals_cpu(gloo_pair, estimate_dtype) -> None:
+    """The light estimate round over gloo on CUDA tensors equals the same run on the CPU."""
     cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, None, estimate_dtype)
     cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, None, estimate_dtype)
     for rank in range(2):
         assert_same_run(cuda[rank], cpu[rank], 1e-5)
 
 
-def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair):
+def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair) -> None:
+    """bf16 parameters over gloo on CUDA tensors: identical ranks, the CPU run within bf16 rounding."""
     cuda = gloo_pair.run(train, "cuda", "acco", "adamw", 6, torch.bfloat16)
     cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, torch.bfloat16)
-    for name in cuda[0]["params"]:
-        assert torch.equal(cuda[0]["params"][name], cuda[1]["params"][name]), f"{name} differs across ranks"
+    assert_identical_across_ranks(cuda)
     assert_same_run(cuda[0], cpu[0], 2e-2)
-
-
-# --------------------------------------------------------- NCCL on the lane's thread
-
-
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
-               "all_gather_into_tensor")
-
-
-def nccl_alone(port: int, mode: str) -> dict:
-    """One NCCL rank, the lane's collectives forced on; which threads issued them."""
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    threads: dict[str, set[str]] = {}
-    for name in COLLECTIVES:
-        if not hasattr(dist, name):
-            continue  # e.g. reduce_scatter_single before torch 2.13
-        original = getattr(dist, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-            threads.setdefault(_name, set()).add(threading.current_thread().name)
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    try:
-        model = make_model().cuda()
-        cls, hp = OPTIMIZERS["adamw"]
-        opt = AccoOptimizer(model, cls, mode=mode, max_grad_norm=0.5, timeout=TIMEOUT, **hp)
-        opt._lane_comm.communicate_alone = True
-        for r in range(6):
-            for i in range(2):
-                x, y = micro_batch(r, 0, i)
-                loss_fn(model, x.cuda(), y.cuda()).backward()
-                opt.accumulate(weight=torch.tensor(float(1 + i), device="cuda"))
-            opt.step()
-        opt.finish()
-        return {"params": {k: v.cpu() for k, v in params_of(model).items()}, "threads": threads,
-                "nccl": str(torch.cuda.nccl.version())}
-    finally:
-        dist.destroy_process_group()
-
-
-def cpu_alone(mode: str) -> dict:
-    model = make_model()
-    cls, hp = OPTIMIZERS["adamw"]
-    opt = AccoOptimizer(model, cls, mode=mode, max_grad_norm=0.5, timeout=TIMEOUT, **hp)
-    for r in range(6):
-        for i in range(2):
-            loss_fn(model, *micro_batch(r, 0, i)).backward()
-            opt.accumulate(weight=float(1 + i))
-        opt.step()
-    opt.finish()
-    return {"params": params_of(model)}
-
-
-@pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available()), reason="needs NCCL")
-@pytest.mark.parametrize("mode", ["dpu", "acco"])
-def test_nccl_collectives_run_on_the_lane_thread(mode):
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        result = pool.submit(nccl_alone, free_port(), mode).result(timeout=150)
-    threads = result["threads"]
-    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
-        used = set().union(*(names for name, names in threads.items() if name.startswith(kind)))
-        assert used == {"acco-comm-lane"}, threads  # every lane collective, from the worker
-    expected = cpu_alone(mode)["params"]
-    for name, value in expected.items():
-        torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
 """AccoTrainer against transformers.Trainer and against hand-written acco loops.
 
 Every test launches fresh processes as torchrun would (accelerate's state is per process;
-tests/hf_ranks.py) and trains a tiny Llama built from a config on padded data, so token
+``run_fresh`` in tests/ranks.py) and trains a tiny Llama built from a config on padded data, so token
 counts differ per micro-batch and per rank.
 """
 
@@ -21,9 +21,12 @@ pytest.importorskip("accelerate")
 
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
-from tests.hf_ranks import run_fresh  # noqa: E402
+from tests.helpers import assert_params_close  # noqa: E402
+from tests.ranks import run_fresh  # noqa: E402
+from tests.reference import params_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
+ATOL = 1e-6  # these comparisons allow 1e-6 absolute (rtol 1e-5), tighter than the helpers' default
 
 SEQ_LEN = 16
 PER_DEVICE = 2
@@ -67,10 +70,6 @@ def training_args(output_dir: str, **overrides):
     if not SEQUENTIAL_SAMPLING:  # older transformers 5.x: seeded random order, the same in every run
         del settings["train_sampling_strategy"]
     return TrainingArguments(**settings)
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def logged(trainer, key: str) -> list[float]:
@@ -323,19 +322,15 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
 # --------------------------------------------------------------------------- tests
 
 
-def assert_params_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def test_sync_mode_equals_trainer_with_ddp(tmp_path):
+def test_sync_mode_equals_trainer_with_ddp(tmp_path) -> None:
+    """AccoTrainer(sync) equals Trainer with DDP on 2 ranks (SGD unclipped, AdamW clipped): parameters,
+    learning rates and logged grad norms; a DDP-wrapped model is refused."""
     results = run_fresh(sync_against_ddp_trainer, str(tmp_path))
     for rank_result in results:
         for optim in ("sgd", "adamw_torch"):
             ddp, acco = rank_result[optim]["ddp"], rank_result[optim]["acco"]
             assert ddp["wrapped"] == "DistributedDataParallel" and acco["wrapped"] == "LlamaForCausalLM"
-            assert_params_close(acco["params"], ddp["params"])
+            assert_params_close(acco["params"], ddp["params"], atol=ATOL)
             assert acco["lr"] == pytest.approx(ddp["lr"], rel=1e-12) and len(acco["lr"]) == 4
             # acco's grad norm (on the comm lane, before clipping) is the one DDP's Trainer logs.
             assert acco["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-4)
@@ -347,21 +342,23 @@ def test_sync_mode_equals_trainer_with_ddp(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
-def test_matches_hand_written_loop_and_evaluates_committed_parameters(tmp_path, mode):
+def test_matches_hand_written_loop_and_evaluates_committed_parameters(tmp_path, mode) -> None:
+    """AccoTrainer(acco or dpu) equals the documented hand-written loop, and every evaluation and
+    checkpoint holds the committed parameters of its update."""
     if not SEQUENTIAL_SAMPLING:
         pytest.skip("the hand-written loop needs the Trainer's data order: train_sampling_strategy='sequential'")
     results = run_fresh(acco_against_hand_loop, str(tmp_path), mode)
     for rank_result in results:
         assert rank_result["updates"] == 4 and rank_result["scheduler_updates"] == 4
-        assert_params_close(rank_result["trainer"], rank_result["loop"])
-        assert_params_close(rank_result["trainer"], rank_result["committed"][4])
+        assert_params_close(rank_result["trainer"], rank_result["loop"], atol=ATOL)
+        assert_params_close(rank_result["trainer"], rank_result["committed"][4], atol=ATOL)
         # Evaluations and checkpoints at step j hold the parameters of update j, never the
         # acco estimate (or dpu's previous parameters) the model computes at meanwhile.
         assert sorted(rank_result["evaluated"]) == [1, 2, 3, 4]
         for step, evaluated in rank_result["evaluated"].items():
-            assert_params_close(evaluated, rank_result["committed"][step])
+            assert_params_close(evaluated, rank_result["committed"][step], atol=ATOL)
         for step, saved in rank_result["saved"].items():
-            assert_params_close(saved, rank_result["committed"][step])
+            assert_params_close(saved, rank_result["committed"][step], atol=ATOL)
         # The LR each update was handed over with, as logged at its step.
         commits = rank_result["loop_lr"][1::2] if mode == "acco" else rank_result["loop_lr"]
         assert rank_result["trainer_lr"] == pytest.approx(commits, rel=1e-12)
@@ -376,7 +373,10 @@ def stopped_run(tmp_path_factory):
     return directory, run_fresh(train_then_stop, str(directory))
 
 
-def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run):
+def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run) -> None:
+    """A run stopped at update 3 and resumed in new processes ends bit for bit where the uninterrupted
+    run does; with a slow rank the fast one accumulates extra micro-batches and the ranks still
+    agree."""
     directory, first = stopped_run
     assert [r["stopped_updates"] for r in first] == [3, 3]
     assert any(name.endswith(".distcp") for name in first[0]["acco_files"])
@@ -393,7 +393,9 @@ def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run):
     assert_params_close(second[0]["waiting"], second[1]["waiting"], rtol=0, atol=0)
 
 
-def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path):
+def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path) -> None:
+    """Without torchrun: unsupported settings are refused naming the argument, a plain and a bf16 run
+    train, and a 2-rank checkpoint resumes on 1 rank at its committed parameters."""
     directory, first = stopped_run
     checkpoint = str(directory / "stopped" / "checkpoint-3")
     (result,) = run_fresh(one_process, str(tmp_path), checkpoint, world_size=1, torchrun=False)
@@ -411,7 +413,7 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
-def test_optimizer_eval_shows_the_update_in_flight_and_train_restores(mode):
+def test_optimizer_eval_shows_the_update_in_flight_and_train_restores(mode) -> None:
     """AccoOptimizer.eval()/train(), what AccoTrainer relies on, in a plain loop (one process)."""
     from acco import AccoOptimizer, RoundKind
 

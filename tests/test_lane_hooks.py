@@ -74,7 +74,9 @@ class FakeHooks(CpuHooks):
         return [event for call, event, _ in self.calls if call == what]
 
 
-def test_ticket_at_submit_before_on_the_worker_done_only_once_fired_join_after_result():
+def test_ticket_at_submit_before_on_the_worker_done_only_once_fired_join_after_result() -> None:
+    """The ticket is recorded on the caller's thread at submit, waited on by the lane's thread; the
+    future is done only once the done event fired, and result() joins it on the caller's thread."""
     hooks = FakeHooks()
     lane = ThreadLane(hooks)
     started, finish = threading.Event(), threading.Event()
@@ -108,7 +110,9 @@ def test_ticket_at_submit_before_on_the_worker_done_only_once_fired_join_after_r
     lane.close(timeout=10)
 
 
-def test_a_failed_round_is_never_joined_but_still_marked_done():
+def test_a_failed_round_is_never_joined_but_still_marked_done() -> None:
+    """A round that raised is done whatever the device does, its error surfaces from result(), and it
+    is never joined."""
     hooks = FakeHooks()
     lane = ThreadLane(hooks)
 
@@ -124,7 +128,8 @@ def test_a_failed_round_is_never_joined_but_still_marked_done():
     lane.close(timeout=10)
 
 
-def test_a_hook_failure_at_thread_start_fails_every_round_instead_of_hanging():
+def test_a_hook_failure_at_thread_start_fails_every_round_instead_of_hanging() -> None:
+    """A lane whose device set-up fails raises at the first result() and stops, instead of hanging."""
     class Broken(FakeHooks):
         def thread_start(self) -> None:
             raise RuntimeError("no device")
@@ -136,7 +141,9 @@ def test_a_hook_failure_at_thread_start_fails_every_round_instead_of_hanging():
     assert not lane.alive
 
 
-def test_close_never_waits_and_drops_what_it_keeps_only_after_the_worker_synchronised():
+def test_close_never_waits_and_drops_what_it_keeps_only_after_the_worker_synchronised() -> None:
+    """close() returns at once, and the tensors it keeps stay alive until the lane's thread has
+    synchronised its stream."""
     hooks = FakeHooks(fire_at_once=True)
     hooks.release_teardown.clear()  # the device is still busy with the last round
     lane = ThreadLane(hooks)
@@ -158,7 +165,9 @@ def test_close_never_waits_and_drops_what_it_keeps_only_after_the_worker_synchro
     assert alive() is None
 
 
-def test_ready_follows_the_done_event_and_step_joins_the_callers_stream(monkeypatch):
+def test_ready_follows_the_done_event_and_step_joins_the_callers_stream(monkeypatch) -> None:
+    """ready() is False until the device's done event fires, and step() joins the caller's stream to
+    each round it lands, each round having waited on its hand-over ticket."""
     hooks = FakeHooks()
     monkeypatch.setattr(acco.optim, "make_lane", lambda device: ThreadLane(hooks))
     model = make_model()

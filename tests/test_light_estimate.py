@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import datetime
 import threading
-import time
 
 import pytest
 import torch
@@ -20,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer, RoundKind
-from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
-from tests.test_parity import assert_identical_across_ranks, assert_params_close, micro_batches_per_round, round_data
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close
+from tests.reference import (OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, micro_batches_per_round,
+                             params_of, round_data)
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = datetime.timedelta(seconds=30)
 # Where each function's send buffer is, and how many times its bytes cross the wire from
 # this rank, per rank in the group: an all-to-all keeps one chunk of N, an all-gather sends
 # its input to N - 1 ranks, a point-to-point send (the gloo reduce-scatter) once.
@@ -95,7 +93,12 @@ def light_rank(layout: str, dtype_name: str | None, rounds: int) -> dict:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_commits_follow_the_recurrence_rebuilt_from_the_decompressed_estimates(ranks, world_size, layout, dtype):
+def test_commits_follow_the_recurrence_rebuilt_from_the_decompressed_estimates(
+    ranks, world_size: int, layout: str, dtype: str
+) -> None:
+    """With estimate_dtype the committed parameters follow the acco recurrence rebuilt from the
+    estimate parameters the ranks actually used; those are the full-precision ones up to the
+    rounding of the delta, and not equal to them."""
     rounds = 8
     results = ranks(world_size).run(light_rank, layout, dtype, rounds)
     assert_identical_across_ranks(results)
@@ -144,7 +147,9 @@ def bytes_rank(dtype_name: str | None) -> list[int]:
     ("bfloat16", 0.5, 1.5),
     ("float8_e4m3fn", 0.25, 1.3),
 ])
-def test_an_estimate_round_moves_a_fraction_of_the_bytes(ranks, dtype, estimate_share, update_vs_zero1):
+def test_an_estimate_round_moves_a_fraction_of_the_bytes(ranks, dtype, estimate_share, update_vs_zero1) -> None:
+    """An estimate round puts half (bf16) or a quarter (float8) of a commit round's bytes on the wire;
+    commit rounds are unchanged, so an update moves at most 1.5x or 1.3x a ZeRO-1 update."""
     full = ranks(3).run(bytes_rank, None)[0]
     light = ranks(3).run(bytes_rank, dtype)[0]
     assert len(full) == len(light) == 6  # estimate, commit, estimate, ...

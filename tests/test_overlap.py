@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import pytest
 import torch
 
 from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_params_close
 from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +24,7 @@ class SlowSGD(torch.optim.SGD):
 
 def overlapping_rank(mode: str) -> dict:
     model = make_model()
-    opt = AccoOptimizer(model, SlowSGD, mode=mode, lr=0.1, timeout=datetime.timedelta(seconds=30))
+    opt = AccoOptimizer(model, SlowSGD, mode=mode, lr=0.1, timeout=TIMEOUT)
     intervals: list[list[tuple[float, float]]] = []
     for r in range(4):
         loss_fn(model, *micro_batch(r, 0, 0)).backward()
@@ -44,7 +44,9 @@ def overlapping_rank(mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
-def test_micro_batches_run_inside_the_lane_round(ranks, mode):
+def test_micro_batches_run_inside_the_lane_round(ranks, mode) -> None:
+    """While a slow round is on the comm lane the compute lane runs at least two micro-batches inside
+    it, and hardly waits at step()."""
     for result in ranks(2).run(overlapping_rank, mode):
         for computed, (lane_start, lane_end) in zip(result["intervals"], result["lanes"]):
             inside = [(a, b) for a, b in computed if lane_start < a and b < lane_end]
@@ -53,7 +55,8 @@ def test_micro_batches_run_inside_the_lane_round(ranks, mode):
         assert min(result["hidden"][:3]) > 0.5
 
 
-def test_sync_does_not_overlap():
+def test_sync_does_not_overlap() -> None:
+    """In sync mode nothing is in flight after step(): no micro-batch overlaps a round."""
     result = overlapping_rank("sync")
     assert all(computed == [] for computed in result["intervals"])
     assert max(result["hidden"]) < 0.2
@@ -61,7 +64,8 @@ def test_sync_does_not_overlap():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_cuda_stream_lane_matches_the_recurrence(mode):
+def test_cuda_stream_lane_matches_the_recurrence(mode) -> None:
+    """On CUDA each mode follows its recurrence (world size 1)."""
     model = make_model().cuda()
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, mode=mode, **hp)
@@ -74,5 +78,5 @@ def test_cuda_stream_lane_matches_the_recurrence(mode):
         data.append([(x, y, 1.0)])
     opt.finish()
     expected = RECURRENCES[mode](params_of(make_model()), "adamw", data)
-    for name, value in params_of(model).items():
-        torch.testing.assert_close(value.cpu(), expected[name], rtol=1e-4, atol=1e-4)
+    assert_params_close({name: value.cpu() for name, value in params_of(model).items()}, expected,
+                        rtol=1e-4, atol=1e-4)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, this_rank
 
 pytestmark = pytest.mark.timeout(120)
 VOCAB, WIDTH = 11, 6
@@ -49,12 +47,11 @@ def loss(model: nn.Module, tokens: Tensor, targets: Tensor, use_branch: bool) ->
 
 
 def train_rank(layout: str, rounds: int) -> dict:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     model = TiedModel()
     frozen_before = model.frozen.weight.detach().clone()
     params = [p for p in model.parameters()] + [model.head.weight]  # the tied weight listed twice
-    opt = AccoOptimizer(params, torch.optim.AdamW, mode="sync", layout=layout, lr=1e-2,
-                        timeout=datetime.timedelta(seconds=30))
+    opt = AccoOptimizer(params, torch.optim.AdamW, mode="sync", layout=layout, lr=1e-2, timeout=TIMEOUT)
     for r in range(rounds):
         for i in range(2):
             loss(model, *data(r, rank, i)).backward()
@@ -83,20 +80,20 @@ def plain_training(rounds: int, world_size: int) -> dict[str, Tensor]:
 
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_tied_frozen_and_unused_parameters(ranks, world_size, layout):
+def test_tied_frozen_and_unused_parameters(ranks, world_size, layout) -> None:
+    """A tied weight is managed once, a frozen layer is left alone and a branch unused in some micro-
+    batches counts as zero: sync equals plain training, the same on every rank."""
     rounds = 4
     results = [train_rank(layout, rounds)] if world_size == 1 else ranks(world_size).run(train_rank, layout, rounds)
     expected = plain_training(rounds, world_size)
     for result in results:
         assert result["managed"] == 5  # embed (= head), mix.weight, mix.bias, sometimes.weight, sometimes.bias
         assert result["frozen_unchanged"] and result["tied"]
-        for name, value in expected.items():
-            torch.testing.assert_close(result["params"][name], value, rtol=1e-5, atol=1e-5)
-        for name, value in results[0]["params"].items():
-            assert torch.equal(value, result["params"][name])
+        assert_params_close(result["params"], expected)
+    assert_identical_across_ranks(results)
 
 
-def test_a_parameter_without_grad_in_a_whole_round_counts_as_zero():
+def test_a_parameter_without_grad_in_a_whole_round_counts_as_zero() -> None:
     """Unlike plain torch optimizers (which skip p.grad None), a sharded flat update sees
     zero: with SGD and no momentum or decay that leaves the parameter unchanged."""
     model = TiedModel()

@@ -1,31 +1,26 @@
 """The three modes against independent one-process references, on real gloo ranks.
 
 - sync: plain single-process training on the global batch (all ranks' micro-batches);
-- dpu and acco: the recurrences of SPEC section 2, recomputed in tests/reference.py.
+- dpu and acco: the recurrences of docs/design.md ("The algorithm"), recomputed in tests/reference.py.
 """
 
 from __future__ import annotations
-
-import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
-from tests.reference import OPTIMIZERS, RECURRENCES, RoundData, loss_fn, make_model, micro_batch, params_of
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, this_rank
+from tests.reference import (OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, micro_batches_per_round,
+                             params_of, round_data)
 
 pytestmark = pytest.mark.timeout(120)
-TIMEOUT = datetime.timedelta(seconds=30)
-
-
-def micro_batches_per_round(round_: int, rank: int, uneven: bool) -> int:
-    return 2 + ((round_ + rank) % 2 if uneven else 0)
 
 
 def run_rank(mode: str, layout: str, optimizer: str, rounds: int, uneven: bool) -> dict:
     """One rank's training loop; every rank starts from different parameters."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     model = make_model(seed=rank)
     cls, hp = OPTIMIZERS[optimizer]
     opt = AccoOptimizer(model, cls, mode=mode, layout=layout, timeout=TIMEOUT, **hp)
@@ -37,17 +32,6 @@ def run_rank(mode: str, layout: str, optimizer: str, rounds: int, uneven: bool) 
         committed.append(opt.step())
     committed.append(opt.finish())
     return {"params": params_of(model), "committed": committed, "num_updates": opt.num_updates}
-
-
-def round_data(rounds: int, world_size: int, uneven: bool) -> list[RoundData]:
-    return [
-        [
-            (*micro_batch(r, rank, i), 1.0)
-            for rank in range(world_size)
-            for i in range(micro_batches_per_round(r, rank, uneven))
-        ]
-        for r in range(rounds)
-    ]
 
 
 def plain_training(optimizer: str, rounds: int, world_size: int) -> dict:
@@ -65,21 +49,12 @@ def plain_training(optimizer: str, rounds: int, world_size: int) -> dict:
     return params_of(model)
 
 
-def assert_identical_across_ranks(results: list[dict]) -> None:
-    for other in results[1:]:
-        for name, value in results[0]["params"].items():
-            assert torch.equal(value, other["params"][name]), f"{name} differs across ranks"
-
-
-def assert_params_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layout, optimizer):
+def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layout, optimizer) -> None:
+    """sync (ZeRO-1) equals single-process training on all ranks' micro-batches at once, commits every
+    round, and all ranks hold identical parameters."""
     rounds = 4
     if world_size == 1:
         results = [run_rank("sync", layout, optimizer, rounds, False)]  # no process group
@@ -93,7 +68,9 @@ def test_sync_equals_plain_training_on_the_global_batch(ranks, world_size, layou
 @pytest.mark.parametrize("mode", ["dpu", "acco"])
 @pytest.mark.parametrize("layout", ["flat", "tensor"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode):
+def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode) -> None:
+    """dpu and acco, with ranks starting from different parameters and uneven micro-batch counts, equal
+    their recurrence (docs/design.md) on every rank."""
     rounds = 6
     results = ranks(world_size).run(run_rank, mode, layout, "adamw", rounds, True)
     assert_identical_across_ranks(results)
@@ -103,7 +80,10 @@ def test_overlapped_modes_equal_their_recurrence(ranks, world_size, layout, mode
 
 
 @pytest.mark.parametrize("rounds", [5, 6])
-def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rounds):
+def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rounds) -> None:
+    """acco's step() returns True exactly when it lands a commit round (rounds 2, 4, ...); finish()
+    lands a last commit round or drops a trailing estimate round, leaving the committed parameters
+    of the recurrence."""
     results = ranks(2).run(run_rank, "acco", "flat", "sgd", rounds, False)
     # step(): estimate, commit, estimate, ... lands; True when a commit lands.
     expected_steps = [r >= 2 and r % 2 == 0 for r in range(rounds)]
@@ -114,14 +94,16 @@ def test_acco_commits_every_other_round_and_drops_a_trailing_estimate(ranks, rou
     assert_params_close(results[0]["params"], expected)
 
 
-def test_dpu_commits_every_round_after_the_first(ranks):
+def test_dpu_commits_every_round_after_the_first(ranks) -> None:
+    """dpu commits every round after the first, finish() landing the last."""
     results = ranks(2).run(run_rank, "dpu", "tensor", "sgd", 4, False)
     assert results[1]["committed"] == [False, True, True, True, True]
     assert results[1]["num_updates"] == 4
 
 
 @pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
-def test_world_size_one_without_a_process_group(mode):
+def test_world_size_one_without_a_process_group(mode) -> None:
+    """Without torch.distributed each mode still equals its recurrence."""
     assert not dist.is_initialized()
     result = run_rank(mode, "flat", "adamw", 4, True)
     init = params_of(make_model(seed=0))

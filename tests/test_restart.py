@@ -65,7 +65,9 @@ def finish(process: subprocess.Popen, tmp: Path, name: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["acco"])
-def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, mode):
+def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, mode) -> None:
+    """Under torchrun with restarts, a rank killed after a checkpoint resumes from it and the run ends
+    bit for bit where an uninterrupted one does."""
     reference = torchrun(tmp_path, "uninterrupted", "--mode", mode)
     finish(reference, tmp_path, "uninterrupted")
 

@@ -1,4 +1,4 @@
-"""Property tests for :mod:`acco.sharding`: plans, flat buffers and gradient accumulation.
+"""Property tests for :mod:`acco.layout` and :mod:`acco.buffers`: plans, flat buffers and gradient accumulation.
 
 Every property is checked for both layouts over random lists of shapes (0-4 dims, small
 sizes, zero-size dims sometimes, 1..12 tensors) and world sizes 1..8.
@@ -17,6 +17,7 @@ from acco.buffers import ShardedGroup
 from acco.folding import fold_grads
 from acco.layout import Layout, ShardPlan, plan_flat, plan_layout, plan_tensor
 
+pytestmark = pytest.mark.timeout(60)
 LAYOUTS = [Layout.FLAT, Layout.TENSOR]
 
 # One dimension: mostly 1..4, zero about one time in seven.
@@ -55,11 +56,12 @@ def expected_buffer(plan: ShardPlan, params) -> torch.Tensor:
 # --------------------------------------------------------------------------- plans
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
-def test_every_element_owned_by_exactly_one_rank(layout, shapes, world_size):
+def test_every_element_owned_by_exactly_one_rank(layout, shapes, world_size) -> None:
+    """Both layouts: rank ranges tile the padded buffer and every parameter element lies in exactly one
+    rank's shard."""
     plan = plan_layout(layout, shapes, world_size)
     assert plan.layout is layout
     assert plan.world_size == world_size
@@ -92,11 +94,12 @@ def test_every_element_owned_by_exactly_one_rank(layout, shapes, world_size):
             assert len(holders) == 1
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
-def test_padding(layout, shapes, world_size):
+def test_padding(layout, shapes, world_size) -> None:
+    """The padded buffer is world_size equal chunks; the flat layout pads by less than world_size and
+    keeps parameters back to back."""
     plan = plan_layout(layout, shapes, world_size)
     total = sum(numel(s) for s in shapes)
     assert plan.chunk >= 1
@@ -113,10 +116,11 @@ def test_padding(layout, shapes, world_size):
             offset += s.numel
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
-def test_tensor_layout_whole_tensors_and_balance(shapes, world_size):
+def test_tensor_layout_whole_tensors_and_balance(shapes, world_size) -> None:
+    """The tensor layout puts each tensor whole in one rank's shard, owned() partitions the tensors,
+    and the largest load is within the greedy bound."""
     plan = plan_tensor(shapes, world_size)
     total = sum(numel(s) for s in shapes)
     largest = max(numel(s) for s in shapes)
@@ -150,10 +154,10 @@ def test_tensor_layout_whole_tensors_and_balance(shapes, world_size):
         assert plan.chunk <= math.ceil(total / world_size) + largest
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes)
-def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size):
+def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size) -> None:
+    """In the flat layout a tensor has an owner exactly when it lies within one chunk."""
     plan = plan_flat(shapes, world_size)
     for i, s in enumerate(plan.slots):
         if s.numel == 0:
@@ -167,7 +171,6 @@ def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size):
             assert all(i not in plan.owned(r) for r in range(world_size))
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "layout, shapes, world_size",
     [
@@ -179,7 +182,7 @@ def test_flat_layout_owner_matches_chunk_boundaries(shapes, world_size):
         (Layout.FLAT, [(2, 3), (0,)], 3),
     ],
 )
-def test_zero_size_tensor_owner_is_a_real_rank(layout, shapes, world_size):
+def test_zero_size_tensor_owner_is_a_real_rank(layout, shapes, world_size) -> None:
     """Regression: an empty slot starting where the buffer ends used to get owner() ==
     world_size, a rank that does not exist, so every rank's owned() left it out."""
     plan = plan_layout(layout, shapes, world_size)
@@ -194,11 +197,12 @@ def test_zero_size_tensor_owner_is_a_real_rank(layout, shapes, world_size):
 # --------------------------------------------------------------------------- buffers
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, dtype=dtypes, seed=st.integers(0, 2**16))
-def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed):
+def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed) -> None:
+    """Parameters go into the flat buffer and back unchanged (padding zero), and the ranks' fp32 master
+    shards rebuild the buffer."""
     params = make_params(shapes, dtype, seed)
     originals = [p.detach().clone() for p in params]
     plan = plan_layout(layout, shapes, world_size)
@@ -237,10 +241,11 @@ def test_flatten_unflatten_round_trip(layout, shapes, world_size, dtype, seed):
     assert torch.equal(rebuilt, expected.float())
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, dtype=dtypes, seed=st.integers(0, 2**16))
-def test_tensor_layout_shard_views(shapes, world_size, dtype, seed):
+def test_tensor_layout_shard_views(shapes, world_size, dtype, seed) -> None:
+    """Tensor layout: the master views have the owned parameters' shapes and values and alias the
+    master shard."""
     params = make_params(shapes, dtype, seed)
     plan = plan_tensor(shapes, world_size)
     for rank in range(world_size):
@@ -268,10 +273,10 @@ def test_tensor_layout_shard_views(shapes, world_size, dtype, seed):
             assert (group.master[s.offset - start : s.offset - start + s.numel] == 7.0).all()
 
 
-@pytest.mark.timeout(60)
 @settings(max_examples=60, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, seed=st.integers(0, 2**16))
-def test_flat_layout_shard_views_is_the_single_chunk(shapes, world_size, seed):
+def test_flat_layout_shard_views_is_the_single_chunk(shapes, world_size, seed) -> None:
+    """Flat layout: the shard's single view is the whole chunk, aliasing the master shard."""
     params = make_params(shapes, torch.float32, seed)
     plan = plan_flat(shapes, world_size)
     for rank in range(world_size):
@@ -320,11 +325,13 @@ def run_batches(group, params, batches, gen, expected):
         assert all(p.grad is None for p in params), "grads are consumed"
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=60, deadline=None)
 @given(case=grad_rounds(), seed=st.integers(0, 2**16))
-def test_accumulate_and_hand_over(layout, case, seed):
+def test_accumulate_and_hand_over(layout, case, seed) -> None:
+    """Accumulated gradients are the weighted sum (zero for missing grads and padding); an estimate
+    round's hand-over is a copy while accumulation goes on, a commit round's takes everything and
+    restarts at zero."""
     shapes, world_size, batches = case
     gen = torch.Generator().manual_seed(seed)
     params = make_params(shapes, torch.float32, seed)
@@ -370,11 +377,11 @@ def test_accumulate_and_hand_over(layout, case, seed):
     assert not group.grad_accumulator[padding].any()
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=40, deadline=None)
 @given(shapes=shape_lists, world_size=world_sizes, weight=st.floats(-4, 4, allow_nan=False, width=32))
-def test_accumulate_without_grads_is_a_no_op(layout, shapes, world_size, weight):
+def test_accumulate_without_grads_is_a_no_op(layout, shapes, world_size, weight) -> None:
+    """accumulate_grads() with no gradient anywhere changes nothing and returns False."""
     params = make_params(shapes)
     plan = plan_layout(layout, shapes, world_size)
     group = ShardedGroup(params, plan, rank=0)
@@ -384,9 +391,10 @@ def test_accumulate_without_grads_is_a_no_op(layout, shapes, world_size, weight)
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_accumulate_grads_from_backward(layout):
+def test_accumulate_grads_from_backward(layout) -> None:
+    """Gradients from a real backward land weighted in their slots; an unused parameter contributes
+    zero."""
     shapes = [(2, 3), (), (0, 4), (5,)]
     params = make_params(shapes)
     plan = plan_layout(layout, shapes, 3)
@@ -403,8 +411,8 @@ def test_accumulate_grads_from_backward(layout):
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.timeout(60)
-def test_sparse_gradients_are_rejected():
+def test_sparse_gradients_are_rejected() -> None:
+    """A sparse gradient is a TypeError."""
     params = make_params([(3, 2)])
     group = ShardedGroup(params, plan_flat([(3, 2)], 2), rank=0)
     params[0].grad = torch.eye(3, 2).to_sparse()

@@ -1,0 +1,346 @@
+"""Misuse is a clear error at the call, never a hang or a silent approximation.
+
+- bad constructor arguments raise ``TypeError``/``ValueError`` naming the value, before any
+  collective (so the process group stays usable), and a model that differs across ranks
+  fails on every rank;
+- wrong call order (step before accumulate, a round with no weight on any rank, calls after
+  ``finish()``, a mid-run ``load_state_dict``), parameters changed under the optimizer;
+- weights: a weight that does not match what backward already folded, gradients not yet
+  accumulated, a torn ``micro_batch()`` block;
+- ``loss.backward(); opt.step()`` without ``accumulate()``, in any round.
+
+Failures of the comm lane itself (a failing rank, non-finite gradients, an exception in the
+base optimizer) are in tests/test_robustness.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from acco import AccoOptimizer, CommLaneError
+from tests.helpers import TIMEOUT, inside
+from tests.reference import loss_fn, make_model, micro_batch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------- constructor arguments
+
+
+BAD_ARGUMENTS = [
+    (dict(optimizer_class=nn.Linear), TypeError, "torch.optim.Optimizer subclass"),
+    (dict(optimizer_class=lambda params: None), TypeError, "torch.optim.Optimizer subclass"),
+    (dict(optimizer_class=torch.optim.LBFGS), ValueError, "closure"),
+    (dict(mode="fast"), ValueError, "Invalid mode: 'fast'"),
+    (dict(layout="rows"), ValueError, "Invalid layout: 'rows'"),
+    (dict(optimizer_class=torch.optim.Muon, layout="flat"), ValueError, "layout='tensor'"),
+    (dict(lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
+    (dict(timeout=5), ValueError, "Invalid timeout"),
+    (dict(params=[]), ValueError, "empty parameter list"),
+    (dict(params=torch.zeros(3, requires_grad=True)), TypeError, "single Tensor"),
+    (dict(params=[{"params": [torch.zeros(3)]}]), ValueError, "no parameter with requires_grad"),
+    (dict(params=[torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.float64, requires_grad=True)]),
+     ValueError, "mixes dtypes"),
+    (dict(nonfinite="ignore"), ValueError, "Invalid nonfinite"),
+    (dict(estimate_dtype="bfloat16"), TypeError, "Invalid estimate_dtype: 'bfloat16'"),
+    (dict(estimate_dtype=torch.float32), ValueError, "not lighter than the reduce dtype torch.float32"),
+    (dict(mode="sync", estimate_dtype=torch.bfloat16), ValueError, "needs mode='acco'"),
+]
+
+
+def construct(**overrides: object) -> AccoOptimizer:
+    """An AccoOptimizer over a fresh model with AdamW, ``overrides`` replacing any argument."""
+    arguments = {"params": make_model(), "optimizer_class": torch.optim.AdamW, "lr": 1e-3, "timeout": TIMEOUT}
+    arguments.update(overrides)
+    return AccoOptimizer(arguments.pop("params"), arguments.pop("optimizer_class"), **arguments)
+
+
+@pytest.mark.parametrize("overrides, error, message", BAD_ARGUMENTS)
+def test_bad_arguments_raise_clear_errors(overrides: dict, error: type[Exception], message: str) -> None:
+    """Each bad argument raises the documented exception type with the value in the message."""
+    with pytest.raises(error, match=message):
+        construct(**overrides)
+
+
+def bad_arguments_then_training() -> float:
+    """Every bad argument raises on every rank; the group is then still usable."""
+    for overrides, error, _ in BAD_ARGUMENTS:
+        try:
+            construct(**overrides)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{overrides} did not raise")
+    check = torch.ones(1)
+    dist.all_reduce(check)  # a collective consumed by a failed construction would hang here
+    model = make_model()
+    opt = construct(params=model, mode="sync")
+    loss_fn(model, *micro_batch(0, dist.get_rank(), 0)).backward()
+    opt.accumulate()
+    assert opt.step()
+    return float(check)
+
+
+def test_bad_arguments_run_no_collective(ranks) -> None:
+    """On 2 ranks every bad argument fails before any collective: the group still works."""
+    assert ranks(2).run(bad_arguments_then_training) == [2.0, 2.0]
+
+
+def mismatched_models() -> str:
+    """Each rank builds a Linear of another width: the constructor's error message."""
+    model = nn.Linear(5, 7 + dist.get_rank())
+    try:
+        AccoOptimizer(model, torch.optim.AdamW, timeout=TIMEOUT)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_model_that_differs_across_ranks_fails_on_every_rank(ranks) -> None:
+    """Different parameter shapes on two ranks: a ValueError on both, not a hang."""
+    for message in ranks(2).run(mismatched_models):
+        assert "differs across ranks" in message
+
+
+# ------------------------------------------------------------------ wrong call order
+
+
+def step_without_accumulate(mode: str) -> str:
+    """One accumulated round, then rounds with nothing accumulated: the lane's error."""
+    model = make_model()
+    opt = construct(params=model, mode=mode)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()
+    opt.step()
+    try:
+        opt.step()  # a round in which no rank accumulated anything
+        opt.step()
+        opt.finish()
+    except CommLaneError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu"])
+def test_a_round_with_zero_total_weight_fails_on_every_rank(ranks, mode: str) -> None:
+    """A round in which no rank accumulated anything fails on every rank (no division by 0)."""
+    for message in ranks(2).run(step_without_accumulate, mode):
+        assert "total weight over all ranks is 0" in message
+
+
+def test_misuse_of_the_compute_lane_is_reported_at_the_call() -> None:
+    """accumulate without a gradient, step before accumulate, bad weights, a closure,
+    add_param_group, and any call after finish(): each raises at the call."""
+    model = make_model()
+    opt = construct(params=model, mode="acco")
+    with pytest.raises(RuntimeError, match="no gradient"):
+        opt.accumulate()
+    with pytest.raises(RuntimeError, match="before any accumulate"):
+        opt.step()
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    for bad in (-1.0, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match="Invalid weight"):
+            opt.accumulate(bad)
+    opt.accumulate(3)
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    opt.step()
+    assert opt.finish() is False  # an estimate round in flight is dropped
+    assert opt.finish() is False  # idempotent
+    with pytest.raises(RuntimeError, match="after finish"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="after finish"):
+        opt.accumulate()
+
+
+def test_a_mid_run_load_and_changed_parameters_are_reported_at_the_call() -> None:
+    """load_state_dict mid-run, a parameter whose dtype or shape changed under the
+    optimizer, and an invalid nonfinite policy: each raises at the call that meets it."""
+    model = make_model()
+    opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()
+    opt.step()
+    with pytest.raises(RuntimeError, match="fresh optimizer"):
+        opt.load_state_dict(opt.state_dict())  # mid-run
+    model[0].weight.data = model[0].weight.data.double()
+    with pytest.raises(RuntimeError, match="parameter 0 of group 0 changed"):
+        opt.step()
+    model[0].weight.data = model[0].weight.data.float()[:, :4]
+    with pytest.raises(RuntimeError, match="changed to \\(7, 4\\)"):
+        opt.accumulate()
+    opt.close()
+    with pytest.raises(ValueError, match="Invalid nonfinite"):
+        AccoOptimizer(make_model(), torch.optim.SGD, lr=0.1, nonfinite="ignore")
+
+
+# ------------------------------------------------------------------------- weights
+
+
+def lean_optimizer() -> tuple[nn.Module, AccoOptimizer]:
+    """An acco optimizer after one equal-weight accumulate: later backwards fold into it."""
+    model = make_model()
+    opt = AccoOptimizer(model, torch.optim.SGD, mode="acco", lr=0.1)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()  # no weight: equal weights, folded during backward from now on
+    return model, opt
+
+
+def test_a_weight_after_a_folded_backward_is_an_error() -> None:
+    """A weight given after backward already folded the gradient at weight 1 is a
+    ValueError (the micro-batch counts at the weight it was folded at), not a silent rescale."""
+    model, opt = lean_optimizer()
+    loss_fn(model, *micro_batch(0, 0, 1)).backward()
+    with pytest.raises(ValueError, match=r"already folded at weight 1\.0.*micro_batch\(weight=w\)"):
+        opt.accumulate(weight=3.0)
+    assert opt._schedule.current.total() == 2.0 and opt._schedule.current.micro_batches == 2  # counted at its real weight
+    loss_fn(model, *micro_batch(0, 0, 2)).backward()
+    opt.accumulate(weight=1.0)  # the weight it was folded at: fine
+    opt.finish()
+
+
+def test_a_folded_backward_cannot_be_discarded_by_zero_grad() -> None:
+    """zero_grad() cannot discard a gradient already folded into the accumulator."""
+    model, opt = lean_optimizer()
+    loss_fn(model, *micro_batch(0, 0, 1)).backward()
+    with pytest.raises(RuntimeError, match="cannot be discarded"):
+        opt.zero_grad()
+    opt.accumulate()
+    opt.zero_grad()  # nothing pending: allowed, and p.grad no longer aliases the accumulator
+    assert all(p.grad is None for p in model.parameters())
+    assert opt._groups[0].grad_accumulator.abs().sum() > 0
+    opt.finish()
+
+
+def test_micro_batch_misuse_is_reported() -> None:
+    """micro_batch(): invalid weights, nested blocks, accumulate() inside a block; a torn
+    block then stops step()."""
+    model, opt = lean_optimizer()
+    x, y = micro_batch(0, 0, 1)
+    for bad in (-1.0, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match="Invalid weight"):
+            with opt.micro_batch(weight=bad):
+                pass
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with opt.micro_batch(weight=2.0):
+            with opt.micro_batch(weight=3.0):
+                pass
+    with pytest.raises(RuntimeError, match="inside a micro_batch"):
+        with opt.micro_batch(weight=2.0):
+            loss_fn(model, x, y).backward()
+            opt.accumulate()
+    # The block above raised before folding anything? No: backward ran, so it is torn.
+    with pytest.raises(RuntimeError, match="partial micro-batch"):
+        opt.step()
+    opt.close()
+
+
+def test_micro_batch_without_backward_or_with_pending_gradients() -> None:
+    """A micro_batch() block without backward, step() inside a block, and a block opened
+    over gradients not yet accumulated are errors; a proper block is counted at its weight."""
+    model, opt = lean_optimizer()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        with opt.micro_batch(weight=2.0):
+            pass
+    with pytest.raises(RuntimeError, match="inside a micro_batch"):
+        with opt.micro_batch(weight=2.0):
+            opt.step()
+    loss_fn(model, *micro_batch(0, 0, 1)).backward()  # equal-weights backward, not accumulated
+    with pytest.raises(RuntimeError, match="not been accumulated"):
+        with opt.micro_batch(weight=2.0):
+            pass
+    opt.accumulate()
+    with opt.micro_batch(weight=2.0):
+        loss_fn(model, *micro_batch(0, 0, 2)).backward()
+    assert opt._schedule.current.total() == 4.0
+    # After the block p.grad is the accumulator's view again (equal weights resume).
+    loss_fn(model, *micro_batch(0, 0, 3)).backward()
+    assert all(inside(p.grad, opt._groups[0].grad_accumulator) for p in model.parameters())
+    opt.accumulate()
+    opt.step()
+    opt.finish()
+
+
+def test_an_exception_inside_a_block_after_backward_stops_the_optimizer() -> None:
+    """An exception inside a micro_batch() block after backward leaves a partial
+    micro-batch: every later call refuses; before backward the optimizer stays usable."""
+    model, opt = lean_optimizer()
+    with pytest.raises(KeyError):
+        with opt.micro_batch(weight=2.0):
+            loss_fn(model, *micro_batch(0, 0, 1)).backward()
+            raise KeyError("user error")
+    for call in (opt.accumulate, opt.step):
+        with pytest.raises(RuntimeError, match="partial micro-batch"):
+            call()
+    opt.close()
+    # An exception before any gradient was folded leaves the optimizer usable.
+    model, opt = lean_optimizer()
+    with pytest.raises(KeyError):
+        with opt.micro_batch(weight=2.0):
+            raise KeyError("before backward")
+    with opt.micro_batch(weight=2.0):
+        loss_fn(model, *micro_batch(0, 0, 1)).backward()
+    opt.step()
+    opt.finish()
+
+
+# ----------------------------------------------------- step() without accumulate()
+
+# The other rank's lane waits this long for the rank that raised before failing.
+SHORT_TIMEOUT = datetime.timedelta(seconds=3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+@pytest.mark.parametrize("weights", ["equal", "given", "reduce_dtype"])
+def test_step_with_unaccumulated_gradients_raises_at_the_call_and_loses_nothing(mode, weights):
+    """In a later round, whatever way the gradients reach the accumulator (views, kept
+    ``p.grad``, hooks), ``step()`` names ``accumulate()``; calling it then recovers."""
+    model = make_model()
+    reduce_dtype = torch.float64 if weights == "reduce_dtype" else None
+    opt = AccoOptimizer(model, torch.optim.SGD, mode=mode, lr=0.1, reduce_dtype=reduce_dtype)
+    weight = 2.0 if weights == "given" else None
+    for r in range(3):
+        loss_fn(model, *micro_batch(r, 0, 0)).backward()
+        opt.accumulate(weight)
+        opt.step()
+    loss_fn(model, *micro_batch(3, 0, 0)).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\): the gradients of the last backward\(\) were not accumulated"):
+        opt.step()
+    opt.accumulate(weight)  # the gradients are still there
+    opt.step()
+    opt.finish()
+
+
+def unaccumulated_rank() -> str:
+    model = make_model()
+    opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1, timeout=SHORT_TIMEOUT)
+    for r in range(2):
+        loss_fn(model, *micro_batch(r, dist.get_rank(), 0)).backward()
+        opt.accumulate()
+        opt.step()
+    loss_fn(model, *micro_batch(2, dist.get_rank(), 0)).backward()
+    if dist.get_rank() == 1:
+        opt.accumulate()
+    try:
+        opt.step()
+        opt.step()
+    except CommLaneError as error:
+        return f"CommLaneError: {error}"
+    except RuntimeError as error:
+        return f"RuntimeError: {error}"
+    finally:
+        opt.close()
+    return "no error"
+
+
+def test_the_other_ranks_fail_within_the_timeout_instead_of_hanging(ranks):
+    mistaken, other = ranks(2).run(unaccumulated_rank)
+    assert mistaken.startswith("RuntimeError: step(): the gradients of the last backward()"), mistaken
+    assert other.startswith("CommLaneError:"), other
