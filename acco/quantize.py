@@ -31,19 +31,29 @@ def check_estimate_dtype(dtype: object, reduce_dtype: torch.dtype) -> torch.dtyp
 
 
 def quantize_rows(rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``rows`` (2-D, floating) as ``dtype`` plus one fp32 scale per row (ones for 16-bit types)."""
+    """``rows`` (2-D, floating) as ``dtype`` plus one fp32 scale per row (ones for 16-bit
+    types). ``rows`` is left as it is; values beyond ``dtype``'s range are clamped to it
+    (float16 would make them inf, float8 e4m3fn NaN)."""
     scales = torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
-    if not needs_scale(dtype):
-        return rows.to(dtype), scales
     largest = torch.finfo(dtype).max
+    if not needs_scale(dtype):
+        if largest >= torch.finfo(rows.dtype).max:
+            return rows.to(dtype), scales  # bf16 from fp32: the same range, nothing to clamp
+        payload = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+        for row, out in zip(rows, payload):  # a row at a time: no full-size temporary
+            out.copy_(row.clamp(-largest, largest))
+        return payload, scales
     amax = rows.abs().amax(dim=1).float()
-    scales = torch.where(amax > 0, amax / largest, scales)
+    # A row whose largest magnitude is too small for amax / largest to be a normal fp32
+    # keeps scale 1: its values then round to zero, never to NaN (0 / 0).
+    scaled = amax / largest
+    scales = torch.where(scaled > 0, scaled, scales)
     payload = torch.empty(rows.shape, dtype=dtype, device=rows.device)
     for row, out, scale in zip(rows, payload, scales):  # a row at a time: no full-size fp32 temporary
-        out.copy_(row.float().div_(scale).clamp_(-largest, largest))
+        out.copy_(row.float().div(scale).clamp_(-largest, largest))
     return payload, scales
 
 
 def dequantize_row(row: Tensor, scale: Tensor) -> Tensor:
     """One row back in fp32 (a new tensor)."""
-    return row.float().mul_(scale)
+    return row.float() * scale

@@ -94,8 +94,6 @@ def quantized_rank(chunk: int, dtype_name: str) -> dict:
     shard = torch.empty(chunk)
     comm.reduce_scatter_quantized(shard, inputs[r].clone(), dtype)
     expected = torch.zeros(chunk)
-    # quantize_rows may scale an fp32 input in place (it avoids a full-size fp32
-    # temporary): every call below gets a copy.
     for k in range(n):  # summed in fp32 in rank order, as on arrival
         payload, scales = quantize_rows(inputs[k].view(n, -1).clone(), dtype)
         expected.add_(dequantize_row(payload[r], scales[r]))

@@ -32,9 +32,7 @@ FP32_SLACK = 4 * 2.0**-24
 
 
 def quantize(rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # quantize_rows may scale an fp32 input in place (it avoids a full-size fp32
-    # temporary): hand it a copy, so ``rows`` stays the reference.
-    return quantize_rows(rows.clone(), dtype)
+    return quantize_rows(rows, dtype)
 
 
 def round_trip(rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,3 +203,36 @@ def test_an_estimate_dtype_that_is_not_a_lighter_float_is_refused(
     name the value."""
     with pytest.raises(error, match=message):
         check_estimate_dtype(dtype, reduce_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_input_is_left_as_it_is_and_dequantize_returns_a_new_tensor(dtype: torch.dtype) -> None:
+    """quantize_rows never writes its input; dequantize_row never returns (or writes) its own."""
+    rows = torch.randn(3, 17, generator=torch.Generator().manual_seed(0)) * 50
+    before = rows.clone()
+    payload, scales = quantize_rows(rows, dtype)
+    assert torch.equal(rows, before)
+    fp32_row = torch.randn(5)
+    kept = fp32_row.clone()
+    out = dequantize_row(fp32_row, torch.tensor(2.0))
+    assert out.data_ptr() != fp32_row.data_ptr() and torch.equal(fp32_row, kept)
+    torch.testing.assert_close(out, 2 * kept)
+
+
+def test_float16_clamps_what_it_cannot_hold_instead_of_making_it_inf() -> None:
+    """float16 has no scale: values beyond 65504 travel as 65504, never as inf."""
+    rows = torch.tensor([[1e6, -1e6, 3.0], [70000.0, 1.0, -2.0]])
+    payload, _ = quantize_rows(rows, torch.float16)
+    assert torch.isfinite(payload).all()
+    assert payload[0, 0] == 65504 and payload[0, 1] == -65504 and payload[1, 0] == 65504 and payload[0, 2] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_row_too_small_for_a_scale_rounds_to_zero_not_nan(dtype: torch.dtype) -> None:
+    """A row whose largest magnitude divided by the dtype's largest value underflows fp32
+    keeps scale 1: it arrives as zeros, never NaN."""
+    rows = torch.tensor([[1e-44, -1e-44, 0.0], [1.0, 2.0, 3.0]])
+    payload, scales = quantize_rows(rows, dtype)
+    back = dequantize_row(payload[0], scales[0])
+    assert torch.isfinite(back).all() and torch.equal(back, torch.zeros(3))
+    assert scales[0] == 1.0
