@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Method, ModelConfig, build_model
-from torch import Tensor
+from common import Method, ModelConfig
+from torch import nn
 
-from examples.train_gpt import loss_fn, param_groups
+from examples.train_gpt import param_groups
 
 __all__ = ["DiLoCoMethod", "TorchftDiLoCoMethod", "torchft_version"]
 
@@ -67,70 +67,65 @@ def torchft_version() -> str | None:
 
 class _InnerLoop(Method):
     """What both implementations share: the inner AdamW over an update's micro-batches, a
-    warm-up schedule per inner step, and gradient clipping as in the other methods."""
+    warm-up schedule per inner step, gradient clipping as in the other methods, and the
+    last synchronised parameters, which ``finish()`` puts back into the model."""
 
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float]) -> None:
-        if sync_every < 1:
-            raise ValueError(f"Invalid sync_every: {sync_every} (at least 1)")
-        self.name = name
-        self.model = build_model(config)
-        self.micro_batches_per_round = micro_batches_per_update
-        self.sync_every = sync_every
-        self.max_grad_norm = config.max_grad_norm
-        self.inner = torch.optim.AdamW(param_groups(self.model, config.weight_decay), lr=config.lr,
-                                       betas=config.betas)
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.sync_every = int(name.removeprefix("diloco-h"))
+        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
         # The inner lr follows the same warm-up as every other method's updates, per inner step.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
         self.inner_steps = 0
         self.outer_steps = 0
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        loss = loss_fn(self.model, x, y)
-        (loss / self.micro_batches_per_round).backward()
-        return loss.detach()
+        self._params = [p for p in model.parameters() if p.requires_grad]
 
     def _inner_step(self) -> None:
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.inner_steps += 1
 
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def committed_updates(self, counted: int) -> int:
+        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
+
+    def committed_micro_batches(self, counted: int) -> float:
+        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
+
 
 class DiLoCoMethod(_InnerLoop):
     """A plain implementation of DiLoCo (see the module docstring), on the default group."""
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float]) -> None:
-        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        super().__init__(name, config, micro_batches_per_update, model, schedule)
         # Every rank built the same model from the same seed; rank 0's is broadcast anyway,
         # as DDP and acco do, so the runs start from one model whatever happened before.
         flat = torch.cat([p.detach().reshape(-1) for p in self._params])
         if dist.is_initialized():
             dist.broadcast(flat, src=0)
-        self._load(flat)
-        # The synchronised parameters (fp32) and their outer optimizer.
-        self.synced = [p.detach().clone() for p in self._params]
-        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-
-    def _load(self, flat: Tensor) -> None:
         with torch.no_grad():
             offset = 0
             for p in self._params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+        # The synchronised parameters (fp32) and their outer optimizer.
+        self.synced = [p.detach().clone() for p in self._params]
+        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
     def end_round(self) -> bool:
         self._inner_step()
         if self.inner_steps % self.sync_every:
             return False
-        self._synchronise()
-        return True
-
-    def _synchronise(self) -> None:
         # One all-reduce of the whole outer gradient (synchronised minus local), flattened.
         delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(self.synced, self._params)])
         if dist.is_initialized():
@@ -142,16 +137,9 @@ class DiLoCoMethod(_InnerLoop):
             offset += s.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
+        self.finish()  # every rank loads the new synchronised parameters
         self.outer_steps += 1
-
-    def finish(self) -> bool:
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
-        return False
+        return True
 
 
 class TorchftDiLoCoMethod(_InnerLoop):
@@ -160,14 +148,14 @@ class TorchftDiLoCoMethod(_InnerLoop):
     Collective: every rank of the default group constructs it and calls ``close()``.
     """
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
         _quiet_torchft()
         from torchft import Manager, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
-        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        super().__init__(name, config, micro_batches_per_update, model, schedule)
         rank, world = dist.get_rank(), dist.get_world_size()
         # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
         # others through the default group's store-backed broadcast.
@@ -175,7 +163,6 @@ class TorchftDiLoCoMethod(_InnerLoop):
         address = [self._lighthouse.address() if self._lighthouse is not None else None]
         dist.broadcast_object_list(address, src=0)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        model = self.model
 
         def load_state_dict(state: dict[str, Any]) -> None:
             model.load_state_dict(state["model"])
@@ -200,8 +187,8 @@ class TorchftDiLoCoMethod(_InnerLoop):
             quorum_timeout=timeout,
             connect_timeout=timeout,
         )
-        self.outer = torch.optim.SGD(self.model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        self.diloco = DiLoCo(self.manager, [self.model], self.inner, self.outer, sync_every=sync_every)
+        self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
         self.diloco.__enter__()  # registers its hooks on the inner optimizer
         self.synced = [p.detach().clone() for p in self._params]
 
@@ -215,12 +202,6 @@ class TorchftDiLoCoMethod(_InnerLoop):
             for s, p in zip(self.synced, self._params):
                 s.copy_(p)
         return True
-
-    def finish(self) -> bool:
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
-        return False
 
     def close(self) -> None:
         """Leave torchft (collective: the lighthouse goes once every rank is done)."""
