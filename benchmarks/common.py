@@ -59,11 +59,12 @@ from examples.train_gpt import (  # noqa: E402
 )
 
 __all__ = [
-    "METHODS", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "ForeignLoad", "Method",
-    "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "all_reduce", "batches", "build_method",
-    "build_model", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table", "method_spec",
-    "minutes", "phases", "pyplot", "rate_text", "read_json", "run_ranks", "save_figure", "train_round",
-    "training_text", "wait_for_quiet", "write_json",
+    "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
+    "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
+    "build_model", "describe", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
+    "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
+    "read_json", "rotated", "run_ranks", "save_figure", "train_round", "training_text", "wait_for_quiet", "warm_up",
+    "write_json",
 ]
 
 
@@ -158,6 +159,24 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def model_arguments(parser: argparse.ArgumentParser, defaults: ModelConfig) -> None:
+    """The model's size options, with a benchmark's own defaults."""
+    for field_name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size"):
+        parser.add_argument("--" + field_name.replace("_", "-"), type=int, default=getattr(defaults, field_name))
+
+
+def model_config(args: argparse.Namespace, **settings: Any) -> ModelConfig:
+    """The model the size options ask for, with ``settings`` (lr, seed...) for the rest."""
+    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
+                       batch_size=args.batch_size, **settings)
+
+
+def describe(config: dict[str, Any], parameters: float) -> str:
+    """How tables introduce the model."""
+    return (f"GPT of {parameters / 1e6:.2f}M parameters ({config['n_layer']} layers, width {config['n_embd']}, seq "
+            f"{config['seq_len']}, micro-batch {config['batch_size']})")
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | None = None) -> GPT:
@@ -430,6 +449,21 @@ def batches(data: Tensor, config: ModelConfig, seed: int) -> Callable[[], tuple[
     return lambda: sample_batch(data, config.batch_size, config.seq_len, generator)
 
 
+def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]) -> None:
+    """A few backwards before the first method, so that it does not pay for the allocator's
+    and the kernels' first use."""
+    model = build_model(config)
+    for _ in range(2):
+        loss_fn(model, *next_batch()).backward()
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` from position ``shift`` on, then the rest: repeat r runs the methods in a
+    rotated order, so that no method is always first after the warm-up."""
+    shift %= max(1, len(items))
+    return [*items[shift:], *items[:shift]]
+
+
 def lo_tx_bytes() -> int | None:
     """Bytes sent on the namespace's loopback so far (every rank's traffic), or None outside
     the benchmark's namespace (on a real cluster each node has its own counters)."""
@@ -469,23 +503,27 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class ForeignLoad:
-    """CPU used on this machine by processes other than the ranks, over a window.
+class Window:
+    """A measured stretch of training, the same on every rank: its wall time, the bytes on the
+    namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
+    disturbs benchmarks; this shows by how much). Collective: every rank makes, opens and
+    closes it."""
 
-    Benchmarks on a shared machine are disturbed by other jobs; this measures by how much,
-    so a disturbed repeat can be seen in the results. Collective: every rank calls
-    ``start()`` and ``stop()``.
-    """
+    def __init__(self, max_quiet_wait_s: float = 900.0) -> None:
+        self.waited_for_quiet_s = wait_for_quiet(max_wait_s=max_quiet_wait_s)
+        dist.barrier()
 
-    def start(self) -> None:
-        self._busy, self._own, self._wall = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
+    def open(self) -> None:
+        self._busy, self._own, self._bytes = cpu_busy_seconds(), own_cpu_seconds(), lo_tx_bytes()
+        self._wall = time.perf_counter()
 
-    def stop(self) -> float:
-        """The other processes' share of the machine's CPU capacity during the window."""
+    def close(self) -> dict[str, Any]:
+        wall, sent = time.perf_counter() - self._wall, lo_tx_bytes()
         busy = cpu_busy_seconds() - self._busy
         (own,) = all_reduce([own_cpu_seconds() - self._own])
-        share = max(0.0, busy - own) / ((time.perf_counter() - self._wall) * (os.cpu_count() or 1))
-        return all_reduce([share if not dist.is_initialized() or dist.get_rank() == 0 else 0.0])[0]
+        share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if dist.get_rank() == 0 else 0.0
+        return {"wall_s": wall, "lo_bytes": None if sent is None or self._bytes is None else sent - self._bytes,
+                "foreign_cpu_share": all_reduce([share])[0], "waited_for_quiet_s": self.waited_for_quiet_s}
 
 
 def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: float = 900.0) -> float:
@@ -616,7 +654,8 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
         return
     args.out = args.out or RESULTS_DIR / f"{benchmark.name}.json"
     started = time.perf_counter()
-    results = benchmark.sweep(args) if benchmark.sweep else run_ranks(args, args.ranks)
+    results = {"benchmark": benchmark.name, "machine": machine(),
+               **(benchmark.sweep(args) if benchmark.sweep else run_ranks(args, args.ranks))}
     results.setdefault("runtime_s", time.perf_counter() - started)  # a merged sweep keeps its own
     write_json(args.out, results)
     print(f"wrote {args.out} ({minutes(results['runtime_s'])})")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Benchmark, Checkout, main
+import common
 from examples.train_gpt import Dist
 
 import torch
@@ -39,7 +39,7 @@ def quick(args: argparse.Namespace) -> None:
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     torch.set_num_threads(1)
-    old = Checkout(args.baseline).module("acco.sharding").Collectives(dist.new_group())
+    old = common.Checkout(args.baseline).module("acco.sharding").Collectives(dist.new_group())
     new = acco.sharding.Collectives(dist.new_group())
     results = []
     for millions in args.sizes:
@@ -74,7 +74,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
             "repeats": args.repeats, "sizes": results}
 
 
-BENCHMARK = Benchmark("compare_reduce_scatter", __doc__, arguments, rank, quick=quick)
+BENCHMARK = common.Benchmark("compare_reduce_scatter", __doc__, arguments, rank, quick=quick)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

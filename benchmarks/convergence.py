@@ -33,24 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    AccoMethod,
-    Benchmark,
-    ModelConfig,
-    RoundRecord,
-    batches,
-    build_method,
-    label,
-    main,
-    md_table,
-    method_spec,
-    minutes,
-    pyplot,
-    run_ranks,
-    save_figure,
-    train_round,
-    training_text,
-)
+import common
 from examples.train_gpt import Dist, WarmupCosine, eval_batches, evaluate, loss_fn
 from examples.train_gpt import parse_args as example_defaults
 
@@ -75,11 +58,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--lr", type=float, default=example.lr)
     add("--warmup", type=int, default=example.warmup)
     add("--grad-clip", type=float, default=example.grad_clip)
-    add("--n-layer", type=int, default=example.n_layer)
-    add("--n-embd", type=int, default=example.n_embd)
-    add("--n-head", type=int, default=example.n_head)
-    add("--seq-len", type=int, default=example.seq_len)
-    add("--batch-size", type=int, default=example.batch_size)
+    common.model_arguments(parser, common.ModelConfig(example.n_layer, example.n_embd, example.n_head, example.seq_len,
+                                                      example.batch_size))
     add("--seed", type=int, default=example.seed)
     add("--eval-every", type=int, default=25)
     add("--eval-batches", type=int, default=32)
@@ -95,9 +75,8 @@ def check(args: argparse.Namespace) -> str | None:
     return "--micro-batches must be even (acco splits an update into two rounds)" if args.micro_batches % 2 else None
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                       batch_size=args.batch_size, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
+def model_config(args: argparse.Namespace) -> common.ModelConfig:
+    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
 
 
 # ------------------------------------------------------------------- the update difference
@@ -107,7 +86,7 @@ class UpdateDifference:
     """Compares each measured acco / dpu update with the synchronous update from the same
     parameters, optimizer state and micro-batches (see the module docstring)."""
 
-    def __init__(self, method: AccoMethod, every: int, total: int) -> None:
+    def __init__(self, method: common.AccoMethod, every: int, total: int) -> None:
         self.opt, self.model, self.config = method.opt, method.model, method.config
         self.every, self.total = every, total
         self.scratch = copy.deepcopy(method.model)
@@ -135,7 +114,7 @@ class UpdateDifference:
         while not self.opt.ready():
             time.sleep(0.001)
 
-    def before_boundary(self, record: RoundRecord) -> None:
+    def before_boundary(self, record: common.RoundRecord) -> None:
         """Right before ``step()``: start or finish a measurement."""
         # The measured update is the one after the commit in flight; it must land in step().
         upcoming = self.opt.num_updates + (1 if self.sync else 2)
@@ -216,14 +195,14 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     if args.method is None:
         raise SystemExit("a rank launch needs --method")
     config = model_config(args)
-    train_data, held_out = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
+    train_data, held_out = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, config.seed,
                             torch.device("cpu"))
-    method = build_method(args.method, config, args.micro_batches)
+    method = common.build_method(args.method, config, args.micro_batches)
     scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, WarmupCosine(args.warmup, args.updates))
     diff = (UpdateDifference(method, args.diff_every, args.updates)
-            if args.diff_every and isinstance(method, AccoMethod) else None)
+            if args.diff_every and isinstance(method, common.AccoMethod) else None)
     losses: list[float] = []
     evals: list[tuple[int, float]] = [(0, evaluate(method.module, eval_set))]
     started, eval_s, updates = time.perf_counter(), 0.0, 0
@@ -238,7 +217,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
             eval_s += time.perf_counter() - t
 
     for _ in range(args.updates * method.rounds_per_update):
-        record = train_round(method, next_batch, before_boundary=diff.before_boundary if diff else None)
+        record = common.train_round(method, next_batch, before_boundary=diff.before_boundary if diff else None)
         losses += [float(loss) for loss in record.losses]
         if record.committed:
             committed()
@@ -268,7 +247,6 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     config = model_config(args)
     results: dict[str, Any] = {
-        "benchmark": "convergence",
         "config": {**config.as_dict(), "ranks": args.ranks, "updates": args.updates,
                    "micro_batches_per_update": args.micro_batches, "warmup": args.warmup,
                    "eval_batches": args.eval_batches, "eval_every": args.eval_every, "diff_every": args.diff_every,
@@ -278,7 +256,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.methods:
         print(f"convergence: {name}", flush=True)
         started = time.perf_counter()
-        run = results["methods"][name] = run_ranks(args, args.ranks, "--method", name)
+        run = results["methods"][name] = common.run_ranks(args, args.ranks, "--method", name)
         run["runtime_s"] = time.perf_counter() - started
         diff = run.get("update_difference", {}).get("mean")
         print(f"  final eval loss {run['final_eval_loss']:.4f} ({run['runtime_s']:.0f} s)"
@@ -297,15 +275,14 @@ def table(data: dict[str, Any]) -> str:
     cfg, rows = data["config"], []
     for name, run in data["methods"].items():
         diff = run.get("update_difference")
-        rows.append([label(name), f"{run['final_eval_loss']:.4f}", f"{run.get('gap_vs_sync', math.nan):+.2%}",
+        rows.append([common.label(name), f"{run['final_eval_loss']:.4f}", f"{run.get('gap_vs_sync', math.nan):+.2%}",
                      f"{diff['mean']:.3f} ({len(diff['ratios'])} updates)" if diff and diff["mean"] is not None else "",
-                     f"{statistics.fmean(run['train_loss_per_update'][-20:]):.4f}", minutes(run["runtime_s"])])
+                     f"{statistics.fmean(run['train_loss_per_update'][-20:]):.4f}", common.minutes(run["runtime_s"])])
     parameters = next(iter(data["methods"].values()))["parameters"]
-    return (f"{cfg['ranks']} ranks, GPT of {parameters / 1e6:.2f}M parameters ({cfg['n_layer']} layers, width "
-            f"{cfg['n_embd']}, seq {cfg['seq_len']}, micro-batch {cfg['batch_size']}), {cfg['updates']} updates x "
+    return (f"{cfg['ranks']} ranks, {common.describe(cfg, parameters)}, {cfg['updates']} updates x "
             f"{cfg['micro_batches_per_update']} micro-batches per rank = {cfg['samples']:,} samples for every method; "
             f"lr {cfg['lr']}, clipping {cfg['max_grad_norm']}; eval on {cfg['eval_batches']} fixed held-out batches."
-            "\n\n" + md_table(["method", "final eval loss", "vs sync", "update difference (mean)",
+            "\n\n" + common.md_table(["method", "final eval loss", "vs sync", "update difference (mean)",
                                "train loss, last 20 updates", "runtime"], rows))
 
 
@@ -321,17 +298,18 @@ def runs_table(results: dict[str, Any]) -> str:
                for n in ("acco", "acco-dpu")}
         rows.append([f"results/{stem}.json", str(cfg["seed"]), str(cfg["lr"]), str(cfg["updates"]),
                      f"{methods['acco-sync']['final_eval_loss']:.4f}", gap["acco"], gap["acco-dpu"]])
-    return md_table(["run", "seed", "peak lr", "updates", "sync eval loss", "acco (vs sync)", "dpu (vs sync)"], rows)
+    return common.md_table(["run", "seed", "peak lr", "updates", "sync eval loss", "acco (vs sync)", "dpu (vs sync)"],
+                           rows)
 
 
 def plot(data: dict[str, Any], path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     cfg = data["config"]
     per_update = cfg["micro_batches_per_update"] * cfg["ranks"] * cfg["batch_size"]
     fig, (train_ax, eval_ax, diff_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
     for name, run in data["methods"].items():
-        spec, losses = method_spec(name), run["train_loss_per_update"]
-        style = {"label": label(name).replace("`", ""), "color": spec.colour, "ls": spec.line}
+        spec, losses = common.method_spec(name), run["train_loss_per_update"]
+        style = {"label": common.label(name).replace("`", ""), "color": spec.colour, "ls": spec.line}
         smooth = [statistics.fmean(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
         train_ax.plot([(i + 1) * per_update for i in range(len(losses))], smooth, **style)
         eval_ax.plot([e["samples"] for e in run["eval"]], [e["loss"] for e in run["eval"]], marker=".", **style)
@@ -346,7 +324,7 @@ def plot(data: dict[str, Any], path: Path) -> str:
         ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
     for ax in (train_ax, eval_ax, diff_ax):
         ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
@@ -371,7 +349,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     acco_gap = methods["acco"]["gap_vs_sync"]
     if "acco-dpu" in methods:
         dpu_gap = methods["acco-dpu"]["gap_vs_sync"]
-        rows.append(("dpu's gap larger than acco's", f"{dpu_gap:+.2%} vs {acco_gap:+.2%}", abs(dpu_gap) > abs(acco_gap)))
+        rows.append(("dpu's gap larger than acco's", f"{dpu_gap:+.2%} vs {acco_gap:+.2%}",
+                     abs(dpu_gap) > abs(acco_gap)))
     diffs = [methods.get(n, {}).get("update_difference", {}).get("mean") for n in ("acco", "acco-dpu")]
     if diffs[0] is not None:
         rows.append(("(for reference) normalised update difference to sync, acco / dpu (paper: 0.07-0.11 for acco)",
@@ -383,7 +362,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
     return [("convergence", results["convergence"]["runtime_s"])] if "convergence" in results else []
 
 
-BENCHMARK = Benchmark("convergence", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

@@ -32,21 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    RESULTS_DIR,
-    SCRATCH_DIR,
-    AccoMethod,
-    Benchmark,
-    ModelConfig,
-    build_method,
-    label,
-    lane_summary,
-    main,
-    md_table,
-    method_spec,
-    run_ranks,
-    train_round,
-)
+import common
 from examples.train_gpt import Dist, load_corpus, split_corpus
 
 import torch
@@ -54,8 +40,8 @@ import torch.distributed as dist
 
 __all__ = ["BENCHMARK", "blocks", "table"]
 
-CONFIG = ModelConfig(n_layer=6, n_embd=512, n_head=8, seq_len=256, batch_size=16, max_grad_norm=1.0)
-QUICK_CONFIG = ModelConfig(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch_size=4, max_grad_norm=1.0)
+CONFIG = common.ModelConfig(n_layer=6, n_embd=512, n_head=8, seq_len=256, batch_size=16, max_grad_norm=1.0)
+QUICK_CONFIG = common.ModelConfig(n_layer=2, n_embd=128, n_head=4, seq_len=64, batch_size=4, max_grad_norm=1.0)
 METHODS = ("roofline", "acco-sync", "acco-dpu", "acco", "acco-aww")
 # Results from before the method registry named the methods by acco's mode.
 OLD_NAMES = {"none": "roofline", "sync": "acco-sync", "dpu": "acco-dpu", "acco-ready": "acco-aww"}
@@ -79,7 +65,7 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def device_batches(config: ModelConfig, count: int, seed: int, device: torch.device) -> Any:
+def device_batches(config: common.ModelConfig, count: int, seed: int, device: torch.device) -> Any:
     """Cycles through a pool of micro-batches already on the device: no host copy in the loop."""
     train, _ = split_corpus(load_corpus(None, 4_000_000), config.seq_len)
     generator = torch.Generator().manual_seed(seed)
@@ -97,15 +83,16 @@ def device_batches(config: ModelConfig, count: int, seed: int, device: torch.dev
     return next_batch
 
 
-def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist, trace: Path | None = None) -> dict[str, Any]:
+def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
+               trace: Path | None = None) -> dict[str, Any]:
     config = QUICK_CONFIG if args.quick else CONFIG
-    per_update = args.micro_batches * (2 if method_spec(name).mode == "acco" else 1)  # args.micro_batches per round
-    method = build_method(name, config, per_update, device=ctx.device)
+    rounds_per_update = 2 if common.method_spec(name).mode == "acco" else 1  # --micro-batches per round in every mode
+    method = common.build_method(name, config, args.micro_batches * rounds_per_update, device=ctx.device)
     next_batch = device_batches(config, 8, 1000 + ctx.rank, ctx.device)
     cuda = ctx.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     for _ in range(3):  # warm-up: kernels, the lane thread, optimizer state
-        train_round(method, next_batch)
+        common.train_round(method, next_batch)
     sync()
     dist.barrier()
     if cuda:
@@ -114,7 +101,7 @@ def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist, trac
     profiler = torch.profiler.profile(activities=activities) if trace else contextlib.nullcontext()
     started = time.perf_counter()
     with profiler:
-        records = [train_round(method, next_batch) for _ in range(rounds)]
+        records = [common.train_round(method, next_batch) for _ in range(rounds)]
         sync()
     elapsed = time.perf_counter() - started
     if trace:
@@ -126,9 +113,9 @@ def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist, trac
         "max_memory_allocated_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20 if cuda else None,
         "parameters_m": sum(p.numel() for p in method.module.parameters()) / 1e6,
     }
-    if isinstance(method, AccoMethod):
+    if isinstance(method, common.AccoMethod):
         method.finish()
-        lane = lane_summary(method.round_stats()[-rounds:])
+        lane = common.lane_summary(method.round_stats()[-rounds:])
         busy = [r.boundary_s * 1000 for r in records if not r.landed]
         result.update(step_ms_median=1000 * statistics.median(r.boundary_s for r in records),
                       step_ms_in_flight_median=statistics.median(busy) if busy else None,
@@ -157,8 +144,9 @@ def stream_overlap(trace: Path) -> dict[str, Any]:
         return sum(max(0.0, min(b, d) - max(a, c)) for c, d in spans[compute] if c < b and d > a)
 
     return {"compute_stream": compute, "streams": {str(s): {
-        "busy_s": busy[s], "overlapped_with_compute_s": None if s == compute else sum(covered(a, b) for a, b in spans[s]) / 1e6,
-        "kernels": len(spans[s]), "examples": sorted(names[s])[:6]} for s in sorted(spans)}}
+        "busy_s": busy[s], "kernels": len(spans[s]), "examples": sorted(names[s])[:6],
+        "overlapped_with_compute_s": None if s == compute else sum(covered(a, b) for a, b in spans[s]) / 1e6,
+    } for s in sorted(spans)}}
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
@@ -167,7 +155,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     profiled = run_method("acco", 6, args, ctx, raw if ctx.master else None)
     if not ctx.master:
         return {}
-    trace = (SCRATCH_DIR if args.quick else RESULTS_DIR) / f"gpu_overlap-trace-ws{ctx.world_size}.json.gz"
+    trace = (common.SCRATCH_DIR if args.quick else common.RESULTS_DIR) / f"gpu_overlap-trace-ws{ctx.world_size}.json.gz"
     trace.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(trace, "wb") as target:
         target.write(raw.read_bytes())
@@ -179,7 +167,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    runs = [run_ranks(args, world_size, "--label", f"ws{world_size}") for world_size in args.world_sizes]
+    runs = [common.run_ranks(args, world_size, "--label", f"ws{world_size}") for world_size in args.world_sizes]
     print(table(runs))
     return {"benchmark": "gpu_overlap", "runs": runs}
 
@@ -199,10 +187,10 @@ def table(runs: list[dict[str, Any]]) -> str:
             busy = r.get("step_ms_in_flight_median")
             in_flight = "-" if busy is None else (
                 f"{busy:.2f} / {r['step_ms_in_flight_max']:.2f} ({r['steps_with_round_in_flight']} steps)")
-            rows.append([str(run["world_size"]), label(r["method"]), f"{r['samples_per_s']:.0f}",
+            rows.append([str(run["world_size"]), common.label(r["method"]), f"{r['samples_per_s']:.0f}",
                          f"{r['samples_per_s'] / base:.2f}", f"{r['step_ms_median']:.2f}", in_flight,
                          f"{r['hidden_share']:.2f}", memory])
-    return md_table(["world size", "method", "samples/s", "vs no optimizer", "step() ms, median",
+    return common.md_table(["world size", "method", "samples/s", "vs no optimizer", "step() ms, median",
                      "step() ms with the round in flight, median / max", "hidden share (GPU time)",
                      "max allocated MiB"], rows)
 
@@ -222,7 +210,8 @@ def section(data: dict[str, Any]) -> str:
     return (f"{run['device']}, torch {run['torch']}; the example's GPT ({config['n_layer']} layers, width "
             f"{config['n_embd']}, {run['methods'][0]['parameters_m']:.1f}M parameters), {config['batch_size']} x "
             f"{config['seq_len']} tokens per micro-batch, {run['micro_batches_per_round']} micro-batches per round "
-            f"(the `ready()` loop: and more while the round is in flight), AdamW, clipping at {config['max_grad_norm']}, "
+            "(the `ready()` loop: and more while the round is in flight), AdamW, clipping at "
+            f"{config['max_grad_norm']}, "
             f"{run['rounds']} measured rounds. World size 2 = two ranks on the one GPU, gloo on CUDA tensors.\n\n"
             + table(data["runs"]) + "\n\n" + "\n".join(lines))
 
@@ -231,7 +220,7 @@ def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
     return {"gpu": section(results["gpu_overlap"])} if "gpu_overlap" in results else {}
 
 
-BENCHMARK = Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

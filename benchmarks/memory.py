@@ -33,21 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from common import (
-    AccoMethod,
-    Benchmark,
-    Method,
-    ModelConfig,
-    batches,
-    build_method,
-    label,
-    main,
-    md_table,
-    read_json,
-    run_ranks,
-    train_round,
-    training_text,
-)
+import common
 from examples.train_gpt import Dist
 
 import torch
@@ -64,7 +50,7 @@ ACCO_BUFFERS = {"grad_accumulator": "gradient buffers", "grad_handover": "gradie
                 "gathered": "communication buffers", "master": "master shard", "master_grad": "master shard",
                 "estimate_copy": "estimate copy"}
 # About 25M parameters, short micro-batches: the buffers dominate the activations.
-MEMORY_MODEL = ModelConfig(n_layer=8, n_embd=512, n_head=8, seq_len=64, batch_size=1)
+MEMORY_MODEL = common.ModelConfig(n_layer=8, n_embd=512, n_head=8, seq_len=64, batch_size=1)
 TARGET_SLACK = 1.1  # model sizes (in the reduce dtype) above ZeRO-1
 MiB = 2**20
 
@@ -91,7 +77,7 @@ def proc_status_bytes(field: str) -> int:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
 
 
-def account(method: Method) -> dict[str, Any]:
+def account(method: common.Method) -> dict[str, Any]:
     """This rank's tensor bytes per kind now (see the module docstring)."""
     sizes, seen = dict.fromkeys(KINDS, 0), set()
 
@@ -104,7 +90,7 @@ def account(method: Method) -> dict[str, Any]:
     params = list(method.module.parameters())
     for p in params:
         add(p, "parameters")
-    acco = isinstance(method, AccoMethod)
+    acco = isinstance(method, common.AccoMethod)
     if acco:
         for group in method.opt.buffer_bytes():
             for buffer, nbytes in group.items():
@@ -126,60 +112,60 @@ def account(method: Method) -> dict[str, Any]:
     return {"bytes": sizes, "total": sum(sizes.values())}
 
 
-def base_optimizers(method: Method) -> list[torch.optim.Optimizer]:
+def base_optimizers(method: common.Method) -> list[torch.optim.Optimizer]:
     """The optimizers holding this rank's state (ZeroRedundancyOptimizer wraps its local one)."""
-    if isinstance(method, AccoMethod):
+    if isinstance(method, common.AccoMethod):
         return [b for b in method.opt.base_optimizers if b is not None]
     return [getattr(method.opt, "optim", method.opt)]
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = MEMORY_MODEL
-    train_data, _ = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
+    train_data, _ = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
     gc.collect()
     rss_before_model = proc_status_bytes("VmRSS")
-    method = build_method(args.method, config, args.micro_batches, dtype=DTYPES[args.dtype],
-                          bucket_view=args.method == "ddp-zero1")
-    params = list(method.module.parameters())
-    param_bytes = sum(p.nbytes for p in params)
+    result = measure(common.build_method(args.method, config, args.micro_batches, dtype=DTYPES[args.dtype],
+                                         bucket_view=args.method == "ddp-zero1"), args, next_batch)
+    # measure() let go of DDP / ZeRO / acco while the process group still exists: a gloo-backed
+    # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
+    gc.collect()
+    result.update(rss_before_model_bytes=rss_before_model,
+                  peak_rss_added_bytes=result["peak_rss_bytes"] - rss_before_model - result["param_bytes"],
+                  ceil_p_over_n=math.ceil(result["parameters"] / ctx.world_size),
+                  reduce_itemsize=DTYPES[args.dtype].itemsize)  # acco reduces in the parameters' dtype by default
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, result)
+    return {"method": args.method, "dtype": args.dtype, "ranks": ctx.world_size, "per_rank": gathered}
+
+
+def measure(method: common.Method, args: argparse.Namespace, next_batch: Any) -> dict[str, Any]:
+    """Warm-up, then the measured updates: tensors at rest, at the end of each round's last
+    backward (before acco folds it or DDP's step frees it), and the peak resident memory."""
     at_backward: list[dict[str, Any]] = []
 
     def after_backward(index: int) -> None:
-        if index == method.micro_batches_per_round - 1:  # the round's last backward, before acco folds it
+        if index == method.micro_batches_per_round - 1:
             at_backward.append(account(method))
 
-    warmup_rounds = args.warmup * method.rounds_per_update
-    for r in range(warmup_rounds + args.updates * method.rounds_per_update):
-        if r == warmup_rounds:
-            at_backward.clear()
-            gc.collect()
-            dist.barrier()
-            at_rest = account(method)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
-        train_round(method, next_batch, after_backward=after_backward)
-    peak_rss = proc_status_bytes("VmHWM")
-    result = {
-        "at_rest": at_rest, "end_of_backward": max(at_backward, key=lambda a: a["total"]),
-        "parameters": sum(p.numel() for p in params), "param_bytes": param_bytes,
-        "peak_rss_added_bytes": peak_rss - rss_before_model - param_bytes, "peak_rss_bytes": peak_rss,
-        "rss_before_model_bytes": rss_before_model,
-        "state_elements_per_tensor": sum(s["exp_avg"].numel() for b in base_optimizers(method)
-                                         for s in b.state.values() if "exp_avg" in s),
-        "ceil_p_over_n": math.ceil(sum(p.numel() for p in params) / ctx.world_size),
-        "reduce_itemsize": DTYPES[args.dtype].itemsize,  # acco reduces in the parameters' dtype by default
-    }
-    if isinstance(method, AccoMethod):
+    for _ in range(args.warmup * method.rounds_per_update):
+        common.train_round(method, next_batch)
+    gc.collect()
+    dist.barrier()
+    at_rest = account(method)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    for _ in range(args.updates * method.rounds_per_update):
+        common.train_round(method, next_batch, after_backward=after_backward)
+    result = {"at_rest": at_rest, "end_of_backward": max(at_backward, key=lambda a: a["total"]),
+              "peak_rss_bytes": proc_status_bytes("VmHWM"),
+              "parameters": sum(p.numel() for p in method.module.parameters()),
+              "param_bytes": sum(p.nbytes for p in method.module.parameters()),
+              "state_elements_per_tensor": sum(s["exp_avg"].numel() for b in base_optimizers(method)
+                                               for s in b.state.values() if "exp_avg" in s)}
+    if isinstance(method, common.AccoMethod):
         result["buffer_bytes"] = method.opt.buffer_bytes()
     method.finish()
-    gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, result)
-    # Tear DDP / ZeRO / acco down while the process group still exists: a gloo-backed
-    # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
-    del method, params
-    gc.collect()
-    return {"method": args.method, "dtype": args.dtype, "ranks": ctx.world_size, "per_rank": gathered}
+    return result
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,9 +179,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for dtype in args.dtypes:
             for name in args.methods:
                 print(f"memory: {ranks} ranks, {dtype}, {name}", flush=True)
-                results["runs"].append(run_ranks(args, ranks, "--method", name, "--dtype", dtype))
+                results["runs"].append(common.run_ranks(args, ranks, "--method", name, "--dtype", dtype))
     if args.merge and args.out.exists():
-        previous = read_json(args.out)
+        previous = common.read_json(args.out)
         order = {(r["method"], r["dtype"], r["ranks"]): i for i, r in enumerate(previous["runs"])}
         measured = {(r["method"], r["dtype"], r["ranks"]) for r in results["runs"]}
         runs = [r for r in previous["runs"] if (r["method"], r["dtype"], r["ranks"]) not in measured] + results["runs"]
@@ -210,6 +196,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 def worst(run: dict[str, Any]) -> dict[str, Any]:
     """The rank with the most tensor bytes at the end of a backward (shards differ a little)."""
     return max(run["per_rank"], key=lambda r: r["end_of_backward"]["total"])
+
+
+def tensor_bytes(run: dict[str, Any]) -> int:
+    return worst(run)["end_of_backward"]["total"]
 
 
 def peak_rss(run: dict[str, Any]) -> int:
@@ -229,17 +219,18 @@ def above_zero1(data: dict[str, Any]) -> dict[tuple[int, str, str], dict[str, An
         base = zero.get((run["ranks"], run["dtype"]))
         if base is None or not run["method"].startswith("acco"):
             continue
-        kinds, zero_kinds, model = worst(run)["end_of_backward"]["bytes"], worst(base)["end_of_backward"]["bytes"], model_size(run)
+        kinds, zero_kinds = worst(run)["end_of_backward"]["bytes"], worst(base)["end_of_backward"]["bytes"]
+        model, rss = model_size(run), (peak_rss(run) - peak_rss(base)) / model_size(run)
         target = TARGET_SLACK
         if run["method"] == "acco":  # plus one copy of this rank's master shard and optimizer state
             target += (4 * worst(run)["state_elements_per_tensor"] + kinds["optimizer state"]) / model
         # acco keeps an fp32 master shard and fp32 optimizer state whatever the parameters'
         # dtype; ZeRO-1 steps bf16 parameters with bf16 state. What that precision costs:
         precision = kinds["master shard"] + kinds["optimizer state"] - zero_kinds["optimizer state"]
-        tensors = (worst(run)["end_of_backward"]["total"] - worst(base)["end_of_backward"]["total"]) / model
-        out[(run["ranks"], run["dtype"], run["method"])] = {
-            "target": target, "precision": precision / model, "tensors": tensors,
-            "rss": (peak_rss(run) - peak_rss(base)) / model, "met": max(tensors, (peak_rss(run) - peak_rss(base)) / model) <= target}
+        tensors = (tensor_bytes(run) - tensor_bytes(base)) / model
+        out[(run["ranks"], run["dtype"], run["method"])] = {"target": target, "precision": precision / model,
+                                                            "tensors": tensors, "rss": rss,
+                                                            "met": max(tensors, rss) <= target}
     return out
 
 
@@ -258,23 +249,24 @@ def table(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
                    f"; of which fp32 master/state over ZeRO-1's bf16 state {t['precision']:+.2f}, the rest "
                    f"{t['tensors'] - t['precision']:+.2f}: "
                    + ("met" if t["tensors"] - t["precision"] <= t["target"] else "**not met**")))
-            rows.append([label(run["method"]), *[f"{end['bytes'].get(k, 0) / MiB:.1f}" for k in KINDS],
+            rows.append([common.label(run["method"]), *[f"{end['bytes'].get(k, 0) / MiB:.1f}" for k in KINDS],
                          f"**{end['total'] / MiB:.1f}** ({end['total'] / model:.2f})",
                          f"{worst(run)['at_rest']['total'] / MiB:.1f}",
                          f"{peak_rss(run) / MiB:.0f} ({peak_rss(run) / model:.2f})", verdict])
         note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > 2 else ""
         out += [f"**{ranks} ranks, {dtype} parameters{note}**: MiB per rank (the largest rank); in brackets, model "
                 "sizes (P x bytes of the reduce dtype)", "",
-                md_table(["method", *KINDS, "total, end of a backward", "total at rest", "peak RSS added",
-                          "above ZeRO-1: tensors / RSS, model sizes (target)"], rows), ""]
+                common.md_table(["method", *KINDS, "total, end of a backward", "total at rest", "peak RSS added",
+                                 "above ZeRO-1: tensors / RSS, model sizes (target)"], rows), ""]
     if baseline:
         before = {(r["ranks"], r["dtype"], r["method"]): r for r in baseline["runs"]}
-        rows = [[str(run["ranks"]), run["dtype"], label(run["method"]),
-                 f"{worst(old)['end_of_backward']['total'] / MiB:.1f} -> {worst(run)['end_of_backward']['total'] / MiB:.1f}",
+        rows = [[str(run["ranks"]), run["dtype"], common.label(run["method"]),
+                 f"{tensor_bytes(old) / MiB:.1f} -> {tensor_bytes(run) / MiB:.1f}",
                  f"{peak_rss(old) / MiB:.0f} -> {peak_rss(run) / MiB:.0f}"]
                 for run in data["runs"] if (old := before.get((run["ranks"], run["dtype"], run["method"])))]
         out += ["Before (commit 999678c, `results/memory-baseline.json`) -> after, MiB per rank:", "",
-                md_table(["ranks", "params", "method", "tensors, end of a backward", "peak RSS added"], rows), ""]
+                common.md_table(["ranks", "params", "method", "tensors, end of a backward", "peak RSS added"], rows),
+                ""]
     return "\n".join(out)
 
 
@@ -285,15 +277,15 @@ def summary(data: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     for run in data["runs"]:
         key, model = (run["ranks"], run["dtype"], run["method"]), model_size(run)
         t = found.get(key)
-        rows.append([str(run["ranks"]), run["dtype"], label(run["method"]),
-                     f"{worst(before[key])['end_of_backward']['total'] / model:.2f}" if key in before else "",
-                     f"{worst(run)['end_of_backward']['total'] / model:.2f}", f"{peak_rss(run) / model:.2f}",
+        rows.append([str(run["ranks"]), run["dtype"], common.label(run["method"]),
+                     f"{tensor_bytes(before[key]) / model:.2f}" if key in before else "",
+                     f"{tensor_bytes(run) / model:.2f}", f"{peak_rss(run) / model:.2f}",
                      "" if t is None else f"{t['tensors']:+.2f} (target <= {t['target']:.2f}: "
                      + ("met" if t["met"] else "not met") + ")"])
     return ("In model sizes (P x bytes of the reduce dtype), per rank, the largest rank; P = "
             f"{worst(data['runs'][0])['parameters'] / 1e6:.1f}M; before = commit 999678c:\n\n"
-            + md_table(["ranks", "params", "method", "tensors before", "tensors after (end of a backward)",
-                        "peak RSS added", "above ZeRO-1"], rows))
+            + common.md_table(["ranks", "params", "method", "tensors before", "tensors after (end of a backward)",
+                               "peak RSS added", "above ZeRO-1"], rows))
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
@@ -309,12 +301,13 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     if data is None:
         return []
     rows: list[tuple[str, str, bool | None]] = [
-        (f"{ranks} ranks, {dtype}: {label(method)} peak per rank <= ZeRO-1 + {t['target']:.2f} model sizes (tensors at "
-         "the end of a backward / peak RSS)", f"{t['tensors']:+.2f} / {t['rss']:+.2f}", t["met"])
+        (f"{ranks} ranks, {dtype}: {common.label(method)} peak per rank <= ZeRO-1 + {t['target']:.2f} model sizes "
+         "(tensors at the end of a backward / peak RSS)", f"{t['tensors']:+.2f} / {t['rss']:+.2f}", t["met"])
         for (ranks, dtype, method), t in above_zero1(data).items()]
     for run in data["runs"]:
         if run["method"] == "acco" and run["dtype"] == "fp32":
-            most, ceil = max(r["state_elements_per_tensor"] for r in run["per_rank"]), run["per_rank"][0]["ceil_p_over_n"]
+            most = max(r["state_elements_per_tensor"] for r in run["per_rank"])
+            ceil = run["per_rank"][0]["ceil_p_over_n"]
             rows.append((f"{run['ranks']} ranks: acco's optimizer state per rank = ceil(P/N) + padding",
                          f"{most:,} elements per moment, ceil(P/N) = {ceil:,} (padding {most - ceil:+,})",
                          0 <= most - ceil < 2 * run["ranks"]))
@@ -325,7 +318,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
     return [("memory", results["memory"]["runtime_s"])] if "memory" in results else []
 
 
-BENCHMARK = Benchmark("memory", __doc__, arguments, rank, sweep, quick)
+BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

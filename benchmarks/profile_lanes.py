@@ -27,25 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    METHODS,
-    RESULTS_DIR,
-    Benchmark,
-    ModelConfig,
-    all_reduce,
-    batches,
-    build_method,
-    build_model,
-    label,
-    main,
-    md_table,
-    phases,
-    read_json,
-    run_ranks,
-    train_round,
-    training_text,
-    wait_for_quiet,
-)
+import common
 from examples.train_gpt import Dist, loss_fn
 
 import torch
@@ -53,7 +35,7 @@ import torch.distributed as dist
 
 __all__ = ["BENCHMARK", "blocks", "runtimes", "table"]
 
-PROFILE_METHODS = [n for n, s in METHODS.items() if s.family != "diloco"]
+PROFILE_METHODS = [n for n, s in common.METHODS.items() if s.family != "diloco"]
 COMPUTE_LANE, COMM_LANE, GLOO = "compute lane (main thread)", "acco comm lane (thread)", "gloo I/O threads"
 
 
@@ -74,7 +56,7 @@ def quick(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> str | None:
-    args.out = args.out or RESULTS_DIR / f"profile-{args.ranks}ranks.json"
+    args.out = args.out or common.RESULTS_DIR / f"profile-{args.ranks}ranks.json"
     return None
 
 
@@ -100,25 +82,25 @@ def thread_kind(tid: int, name: str, main_tid: int, lane_tids: set[int]) -> str:
     return GLOO if name.startswith(("gloo", "pt_gloo")) else "other threads"
 
 
-def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, next_batch: Any) -> dict[str, Any]:
-    method = build_method(name, config, args.micro_batches)
-    wait_for_quiet()
+def profile_method(name: str, args: argparse.Namespace, config: common.ModelConfig, next_batch: Any) -> dict[str, Any]:
+    method = common.build_method(name, config, args.micro_batches)
+    common.wait_for_quiet()
     dist.barrier()
     for _ in range(2 * method.rounds_per_update):
-        train_round(method, next_batch)
+        common.train_round(method, next_batch)
     landed_before = len(method.round_stats())
     dist.barrier()  # a global window (see throughput.py)
     before, wall0, main_tid = thread_cpu(), time.perf_counter(), threading.get_native_id()
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.trace == name else None
     if profiler is not None:
         profiler.__enter__()
-    rounds = [train_round(method, next_batch) for _ in range(args.rounds)]
+    rounds = [common.train_round(method, next_batch) for _ in range(args.rounds)]
     after = thread_cpu()
     dist.barrier()
     wall = time.perf_counter() - wall0
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        profiler.export_chrome_trace(str(RESULTS_DIR / f"trace-{name}-{args.label}.json"))
+        profiler.export_chrome_trace(str(common.RESULTS_DIR / f"trace-{name}-{args.label}.json"))
     lane_tids = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
     stats = method.round_stats()[landed_before:]
     method.finish()
@@ -131,7 +113,7 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
         runqueue[kind] = runqueue.get(kind, 0.0) + (waited - waited0) / args.rounds
     mean = statistics.fmean
     return {
-        "round_wall_s": all_reduce([wall], "max")[0] / args.rounds,
+        "round_wall_s": common.all_reduce([wall], "max")[0] / args.rounds,
         "micro_batches_per_round": mean(len(r.losses) for r in rounds),
         "micro_batch_wall_s": mean(t for r in rounds for t in r.micro_batch_s),
         "micro_batch_cpu_s": mean(t for r in rounds for t in r.micro_batch_cpu_s),
@@ -145,11 +127,11 @@ def profile_method(name: str, args: argparse.Namespace, config: ModelConfig, nex
     }
 
 
-def piece_costs(config: ModelConfig, world_size: int) -> dict[str, float]:
+def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
     """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
     alone (this rank only, the others wait): what each would cost the compute lane when
     no core is free. Sizes are those of the model's flat buffers and shards."""
-    numel = sum(p.numel() for p in build_model(config).parameters())
+    numel = sum(p.numel() for p in common.build_model(config).parameters())
     chunk = -(-numel // world_size)
     full, other, shard = torch.randn(chunk * world_size), torch.randn(chunk * world_size), torch.randn(chunk)
     state = [torch.randn(chunk), torch.rand(chunk)]
@@ -189,10 +171,10 @@ def piece_costs(config: ModelConfig, world_size: int) -> dict[str, float]:
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
-    config = ModelConfig()
-    train_data, _ = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
-    warm = build_model(config)
+    config = common.ModelConfig()
+    train_data, _ = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    warm = common.build_model(config)
     for _ in range(2):  # warm the allocator and kernels up once, so the first method is not penalised
         loss_fn(warm, *next_batch()).backward()
     results = {}
@@ -209,16 +191,16 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if args.rate is None:
         rates: list[tuple[str, str | None]] = [("unlimited", None)]
-        calibrated = RESULTS_DIR / "throughput.json"
+        calibrated = common.RESULTS_DIR / "throughput.json"
         if calibrated.exists():
-            targets = read_json(calibrated)["calibration"].get(str(args.ranks), {}).get("targets", {})
+            targets = common.read_json(calibrated)["calibration"].get(str(args.ranks), {}).get("targets", {})
             rates += [(name, t["rate"]) for name, t in targets.items()]
     else:
         rates = [(r, None if r == "unlimited" else r) for r in args.rate]
     results = {"benchmark": "profile", "ranks": args.ranks, "micro_batches_per_update": args.micro_batches,
                "profiles": []}
     for name, rate in rates:
-        profile = run_ranks(args, args.ranks, "--label", name, rate=rate, netns=True)
+        profile = common.run_ranks(args, args.ranks, "--label", name, rate=rate, netns=True)
         results["profiles"].append({**profile, "label": name})
         print(table({**results, "profiles": [profile]}))
     return results
@@ -229,21 +211,21 @@ def table(data: dict[str, Any]) -> str:
     for profile in data["profiles"]:
         for name, p in profile["methods"].items():
             cpu, wait = p["thread_cpu_s_per_round"], p.get("thread_runqueue_wait_s_per_round")
-            rows.append([profile["label"], label(name), f"{p['round_wall_s'] * 1000:.0f}",
+            rows.append([profile["label"], common.label(name), f"{p['round_wall_s'] * 1000:.0f}",
                          f"{p['micro_batches_per_round']:.1f}",
                          f"{p['micro_batch_wall_s'] * 1000:.0f} / {p['micro_batch_cpu_s'] * 1000:.0f}",
                          f"{wait.get(COMPUTE_LANE, 0) * 1000:.0f}" if wait else "", f"{p['step_wall_s'] * 1000:.0f}",
                          f"{cpu.get(COMM_LANE, 0) * 1000:.0f}", f"{cpu.get(GLOO, 0) * 1000:.0f}",
                          ", ".join(f"{k} {v['wall_s'] * 1000:.0f}/{v['cpu_s'] * 1000:.0f}"
-                                   for k, v in phases(p["lane_phases"]).items())])
+                                   for k, v in common.phases(p["lane_phases"]).items())])
     text = (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, per round:"
-            "\n\n" + md_table(["rate", "method", "round ms", "micro-batches per round", "micro-batch wall / CPU ms",
-                               "compute lane waiting for a core, ms", "step() ms", "comm lane CPU ms",
-                               "gloo threads CPU ms", "lane phases wall/CPU ms"], rows))
+            "\n\n" + common.md_table(["rate", "method", "round ms", "micro-batches per round",
+                                      "micro-batch wall / CPU ms", "compute lane waiting for a core, ms", "step() ms",
+                                      "comm lane CPU ms", "gloo threads CPU ms", "lane phases wall/CPU ms"], rows))
     costs = next((p["piece_costs_ms"] for p in data["profiles"] if p.get("piece_costs_ms")), None)
     if costs:
         text += ("\n\nCPU cost of the pieces of a round, each timed alone on one thread (rank 0, the model's buffer "
-                 "sizes):\n\n" + md_table(["piece", "CPU ms"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
+                 "sizes):\n\n" + common.md_table(["piece", "CPU ms"], [[k, f"{v:.1f}"] for k, v in costs.items()]))
     return text
 
 
@@ -257,7 +239,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
             for s in ("profile-2ranks", "profile-4ranks") if s in results]
 
 
-BENCHMARK = Benchmark("profile_lanes", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("profile_lanes", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

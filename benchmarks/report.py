@@ -53,8 +53,8 @@ def targets_table(rows: Sequence[tuple[str, str, bool | None]]) -> str:
 
 def replace_block(text: str, name: str, body: str) -> str | None:
     """``text`` with block ``name``'s body replaced; None if it has no such block."""
-    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {re.escape(name)} -->\n).*?(<!-- END GENERATED: {re.escape(name)} -->)",
-                         re.S)
+    marker = re.escape(name)
+    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
     if not pattern.search(text):
         return None
     return pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text)

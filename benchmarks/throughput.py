@@ -4,26 +4,20 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
     sudo $(which python) benchmarks/throughput.py            # calibration, 3 rates x 2 and 4 ranks: ~50 min
     sudo $(which python) benchmarks/throughput.py --quick    # 2 ranks, 1 repeat: a few minutes
     sudo $(which python) benchmarks/throughput.py --quick --rates unlimited --baseline /tmp/acco-352a168
-
-One configuration on a real cluster (no namespace, the network you have), results on rank 0:
-
     torchrun --nnodes=2 --nproc-per-node=1 ... benchmarks/throughput.py --out throughput-cluster.json
 
-Every method trains the same GPT on the same micro-batches, ``--micro-batches`` per rank
-per update (acco: two rounds of half as many; the ``ready()`` loop: more while the round in
-flight has not landed). After ``--warmup-updates`` the clock runs, between two barriers,
-from one round boundary to the one ``--updates`` later (steady state). Methods run one
-after another in one process group, in a rotated order, ``--repeats`` times; tables give
-medians of samples/s and of the ratios taken within a repeat. Before each method the ranks
-wait for other processes to leave the CPU idle, and the JSON records the CPU share they
-took during each window. ``comm~compute`` is the tbf rate at which one acco round of
-communication, measured alone, takes as long as one acco round of compute; ``comm~3x``
-three times as long; the driver calibrates both by measuring.
+After ``--warmup-updates`` the clock runs, between two barriers, from one round boundary to
+the one ``--updates`` later (steady state: a pipeline's fill and drain happen once per
+training run). Methods run one after another in one process group, in a rotated order,
+``--repeats`` times; tables give medians of samples/s and of the ratios taken within a
+repeat. ``comm~compute`` is the tbf rate at which one acco round of communication, measured
+alone, takes as long as one acco round of compute; ``comm~3x`` three times as long; the
+driver finds both by measuring (benchmarks/README.md, "Throughput").
 
-``--baseline PATH`` runs every method twice per repeat, once with this checkout's acco and
-once with PATH's (another checkout, e.g. a ``git worktree`` of an older commit), in
-alternating order, and prints both medians and their ratio per method: the methods that do
-not use acco run the same code twice, so their ratios show the noise.
+``--baseline PATH`` runs every method twice per repeat, with this checkout's acco and with
+PATH's (another checkout, e.g. a ``git worktree`` of an older commit), interleaved, and
+prints both medians and their ratio per method. The methods without acco run the same code
+twice: their ratios show the noise.
 """
 
 from __future__ import annotations
@@ -31,41 +25,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from common import (
-    METHODS,
-    SCRATCH_DIR,
-    Benchmark,
-    Checkout,
-    ForeignLoad,
-    Method,
-    ModelConfig,
-    all_reduce,
-    batches,
-    build_method,
-    build_model,
-    label,
-    lane_summary,
-    lo_tx_bytes,
-    machine,
-    main,
-    md_table,
-    minutes,
-    phases,
-    pyplot,
-    rate_text,
-    run_ranks,
-    save_figure,
-    train_round,
-    training_text,
-    wait_for_quiet,
-    write_json,
-)
+import common
 from examples.train_gpt import Dist, loss_fn
 
 import acco
@@ -76,7 +43,7 @@ __all__ = ["BENCHMARK", "blocks", "calibrate_rates", "runtimes", "targets"]
 
 RATE_LABELS = ("unlimited", "comm~compute", "comm~3x")
 RATE_RATIOS = {"comm~compute": 1.0, "comm~3x": 3.0}
-THROUGHPUT_METHODS = [n for n, s in METHODS.items() if s.family != "diloco"]
+THROUGHPUT_METHODS = [n for n, s in common.METHODS.items() if s.family != "diloco"]
 DEFAULT_METHODS = ["roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww", "acco-bf16",
                    "acco-fp8"]
 
@@ -90,10 +57,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup-updates", type=int, default=1)
     add("--updates", type=int, default=3, help="updates in the timed window")
     add("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
-    add("--n-layer", type=int, default=4)
-    add("--n-embd", type=int, default=256)
-    add("--seq-len", type=int, default=128)
-    add("--batch-size", type=int, default=8)
+    common.model_arguments(parser, common.ModelConfig())
     add("--baseline", type=Path, default=None, help="another checkout's root: A/B of its acco against this one's")
     add("--calibrate", action="store_true", help=argparse.SUPPRESS)  # set by the driver for its rank launches
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
@@ -107,8 +71,8 @@ def check(args: argparse.Namespace) -> str | None:
     args.repeats = args.repeats or 3
     if args.baseline is not None:  # an A/B run is printed, not a README figure
         args.no_report = True
-        if args.out in (None, SCRATCH_DIR / "throughput.json"):
-            args.out = SCRATCH_DIR / "throughput-vs-baseline.json"
+        if args.out in (None, common.SCRATCH_DIR / "throughput.json"):
+            args.out = common.SCRATCH_DIR / "throughput-vs-baseline.json"
     if args.warmup_updates < 1 or args.updates < 1:
         return "--warmup-updates and --updates must be at least 1"
     if args.micro_batches < 2 or args.micro_batches % 2:
@@ -118,56 +82,44 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len, batch_size=args.batch_size)
-
-
 # ------------------------------------------------------------------------------ rank side
 
 
-def run_method(method: Method, args: argparse.Namespace, next_batch: Any) -> dict[str, Any]:
+def run_method(method: common.Method, args: argparse.Namespace, next_batch: Any) -> dict[str, Any]:
     """Warm-up, then the timed window's figures (every rank's micro-batches over the slowest window)."""
-    waited = wait_for_quiet()
-    foreign = ForeignLoad()
-    dist.barrier()
+    window = common.Window()
     for _ in range(args.warmup_updates * method.rounds_per_update):
-        train_round(method, next_batch)
+        common.train_round(method, next_batch)
     landed_before = len(method.round_stats())
     # The window is global: it opens when every rank has reached this boundary (ranks
     # that share cores would otherwise each time a stretch where the others idle).
     dist.barrier()
-    t0, bytes0 = time.perf_counter(), lo_tx_bytes()
-    foreign.start()
-    rounds = [train_round(method, next_batch) for _ in range(args.updates * method.rounds_per_update)]
-    lane = lane_summary(method.round_stats()[landed_before:])  # the rounds that landed in the window
+    window.open()
+    rounds = [common.train_round(method, next_batch) for _ in range(args.updates * method.rounds_per_update)]
+    lane = common.lane_summary(method.round_stats()[landed_before:])  # the rounds that landed in the window
     dist.barrier()
-    window, bytes1 = time.perf_counter() - t0, lo_tx_bytes()
-    foreign_share = foreign.stop()
+    measured = window.close()
     method.finish()
-    (slowest,) = all_reduce([window], "max")
-    micro_batches, compute_s, boundary_s = all_reduce([sum(len(r.losses) for r in rounds),
-                                                       sum(r.compute_s for r in rounds),
-                                                       sum(r.boundary_s for r in rounds)])
-    world = dist.get_world_size()
+    (slowest,) = common.all_reduce([measured.pop("wall_s")], "max")
+    micro_batches, compute_s, boundary_s = common.all_reduce(
+        [sum(len(r.losses) for r in rounds), sum(r.compute_s for r in rounds), sum(r.boundary_s for r in rounds)])
+    world, lo_bytes = dist.get_world_size(), measured.pop("lo_bytes")
     return {
-        "samples_per_s": micro_batches * method.config.batch_size / slowest,
-        "window_s": slowest,
+        "samples_per_s": micro_batches * method.config.batch_size / slowest, "window_s": slowest,
         "micro_batches_per_update": micro_batches / world / args.updates,
         "compute_s_per_round": compute_s / world / len(rounds),
         "compute_s_per_micro_batch": compute_s / max(micro_batches, 1),
         "boundary_s_per_round": boundary_s / world / len(rounds),
-        "lo_bytes_per_update": None if bytes0 is None or bytes1 is None else (bytes1 - bytes0) / args.updates,
-        "foreign_cpu_share": foreign_share,
-        "waited_for_quiet_s": waited,
-        **({"lane": lane} if lane else {}),
+        "lo_bytes_per_update": None if lo_bytes is None else lo_bytes / args.updates,
+        **measured, **({"lane": lane} if lane else {}),
     }
 
 
-def calibrate(args: argparse.Namespace, config: ModelConfig, next_batch: Any) -> dict[str, Any]:
+def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: Any) -> dict[str, Any]:
     """One acco round's compute time (all ranks computing at once) and its communication
     alone: acco's collectives in sync mode with no compute, and the loopback bytes."""
     result: dict[str, Any] = {}
-    model = build_model(config)
+    model = common.build_model(config)
     if not args.skip_compute:
         times = []
         dist.barrier()
@@ -176,7 +128,7 @@ def calibrate(args: argparse.Namespace, config: ModelConfig, next_batch: Any) ->
             started = time.perf_counter()
             loss_fn(model, x, y).backward()
             times.append(time.perf_counter() - started)
-        (micro_batch_s,) = all_reduce([statistics.median(times[2:])], "max")
+        (micro_batch_s,) = common.all_reduce([statistics.median(times[2:])], "max")
         result.update(micro_batch_s=micro_batch_s, compute_s_per_round=micro_batch_s * (args.micro_batches // 2))
     opt = acco.AccoOptimizer(model, torch.optim.AdamW, mode="sync", lr=1e-9)
     comm, update, byte_counts = [], [], []
@@ -184,43 +136,40 @@ def calibrate(args: argparse.Namespace, config: ModelConfig, next_batch: Any) ->
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.accumulate()
-        before = lo_tx_bytes()
+        before = common.lo_tx_bytes()
         opt.step()
-        after = lo_tx_bytes()
+        after = common.lo_tx_bytes()
         if i >= 2:
-            seconds = phases(opt.round_stats[-1].phase_seconds)
+            seconds = common.phases(opt.round_stats[-1].phase_seconds)
             comm.append(seconds["totals"] + seconds["reduce-scatter"] + seconds["all-gather"])
             update.append(seconds["update"])
             if before is not None and after is not None:
                 byte_counts.append(after - before)
     opt.finish()
-    (result["comm_s_per_round"],) = all_reduce([statistics.median(comm)], "max")
+    (result["comm_s_per_round"],) = common.all_reduce([statistics.median(comm)], "max")
     result["update_s_per_round"] = statistics.median(update)
     result["lo_bytes_per_round"] = statistics.median(byte_counts) if byte_counts else None
     return result
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
-    config = model_config(args)
-    train_data, _ = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
+    config = common.model_config(args)
+    train_data, _ = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
     if args.calibrate:
         return calibrate(args, config, next_batch)
-    warm = build_model(config)
-    for _ in range(2):  # warm the allocator and kernels up once, so the first method is not penalised
-        loss_fn(warm, *next_batch()).backward()
-    checkouts: dict[str, Checkout | None] = {"this": None}
+    common.warm_up(config, next_batch)
+    checkouts: dict[str, common.Checkout | None] = {"this": None}
     if args.baseline is not None:
-        checkouts["baseline"] = Checkout(args.baseline)
+        checkouts["baseline"] = common.Checkout(args.baseline)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {side: {m: [] for m in args.methods} for side in checkouts}
     for repeat in range(args.repeats):
-        for name in args.methods[repeat % len(args.methods):] + args.methods[:repeat % len(args.methods)]:
-            for side in list(checkouts)[repeat % len(checkouts):] + list(checkouts)[:repeat % len(checkouts)]:
-                checkout = checkouts[side]
-                started = time.perf_counter()
+        for name in common.rotated(args.methods, repeat):
+            for side in common.rotated(list(checkouts), repeat):  # A/B interleaved, alternating which goes first
+                checkout, started = checkouts[side], time.perf_counter()
                 with checkout.active() if checkout else contextlib.nullcontext():
-                    method = build_method(name, config, args.micro_batches,
-                                          acco_module=checkout.acco if checkout else None)
+                    acco_module = checkout.acco if checkout else None
+                    method = common.build_method(name, config, args.micro_batches, acco_module=acco_module)
                     runs[side][name].append(run_method(method, args, next_batch))
                     del method
                     gc.collect()  # the method's model, optimizer and buffers go before the next one
@@ -233,7 +182,8 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
         base = checkouts["baseline"]
         result["baseline"] = {"path": str(base.root), "commit": base.commit, **summarise(runs["baseline"])}
         for name, entry in result["methods"].items():
-            ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs["this"][name], runs["baseline"][name])]
+            ratios = [a["samples_per_s"] / b["samples_per_s"]
+                      for a, b in zip(runs["this"][name], runs["baseline"][name])]
             entry.update(vs_baseline=ratios, median_vs_baseline=statistics.median(ratios))
     result.update(ranks=ctx.world_size, label=args.label, threads_per_rank=torch.get_num_threads(),
                   rate=os.environ.get("ACCO_BENCH_RATE", "not limited by the benchmark"))
@@ -278,7 +228,7 @@ def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     The comm time is modelled as ``t(rate) = t_unlimited + bytes / rate`` and the rate
     refined by measuring until it is within 10% of the target.
     """
-    base = run_ranks(args, ranks, "--calibrate", "--label", f"calibrate {ranks} ranks", netns=True)
+    base = common.run_ranks(args, ranks, "--calibrate", "--label", f"calibrate {ranks} ranks", netns=True)
     compute, fixed = base["compute_s_per_round"], base["comm_s_per_round"]
     print(f"calibration, {ranks} ranks: compute {compute:.3f} s per acco round; comm unlimited {fixed:.3f} s, "
           f"{base['lo_bytes_per_round']:.3g} loopback bytes per round", flush=True)
@@ -290,8 +240,8 @@ def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         rate = base["lo_bytes_per_round"] * 8 / max(target - fixed, 1e-3)
         tries = []
         for _ in range(3):
-            comm = run_ranks(args, ranks, "--calibrate", "--skip-compute", "--label", f"calibrate {name}",
-                             rate=bits(rate), netns=True)["comm_s_per_round"]
+            comm = common.run_ranks(args, ranks, "--calibrate", "--skip-compute", "--label", f"calibrate {name}",
+                                    rate=bits(rate), netns=True)["comm_s_per_round"]
             tries.append({"rate": bits(rate), "comm_s_per_round": comm, "ratio": comm / compute})
             print(f"  {name}: rate {bits(rate)} -> comm {comm:.3f} s = {comm / compute:.2f} x compute", flush=True)
             if abs(comm / target - 1) < 0.1:
@@ -303,16 +253,13 @@ def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.perf_counter()
+    started, config = time.perf_counter(), common.model_config(args)
     results: dict[str, Any] = {
-        "benchmark": "throughput",
-        "config": {**model_config(args).as_dict(), "micro_batches_per_update": args.micro_batches,
+        "config": {**config.as_dict(), "micro_batches_per_update": args.micro_batches,
                    "warmup_updates": args.warmup_updates, "timed_updates": args.updates, "repeats": args.repeats,
                    "methods": args.methods,
-                   "parameters": sum(p.numel() for p in build_model(model_config(args)).parameters())},
-        "machine": machine(),
-        "calibration": {},
-        "runs": [],
+                   "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
+        "calibration": {}, "runs": [],
     }
     for ranks in args.ranks:
         calibration = calibrate_rates(args, ranks) if set(args.rates) - {"unlimited"} else {}
@@ -321,11 +268,11 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rate = None if name == "unlimited" else calibration["targets"][name]["rate"]
             print(f"throughput: {ranks} ranks, {name} ({rate or 'no limit'})", flush=True)
             run_started = time.perf_counter()
-            run = run_ranks(args, ranks, "--label", f"{ranks} ranks {name}", rate=rate, netns=True)
+            run = common.run_ranks(args, ranks, "--label", f"{ranks} ranks {name}", rate=rate, netns=True)
             run.update(label=name, rate=rate or "unlimited", runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            write_json(args.out, results)  # after every run, so a long sweep keeps what it has
+            common.write_json(args.out, results)  # after every run, so a long sweep keeps what it has
             if args.baseline is not None:
                 print(baseline_table(run))
     return results
@@ -344,25 +291,26 @@ def by_ranks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 def table(data: dict[str, Any]) -> str:
     cfg, cpus = data["config"], data["machine"]["cpus"]
-    out = [f"GPT of {cfg['parameters'] / 1e6:.2f}M parameters ({cfg['n_layer']} layers, width {cfg['n_embd']}, "
-           f"seq {cfg['seq_len']}, micro-batch {cfg['batch_size']}), {cfg['micro_batches_per_update']} micro-batches "
+    out = [f"{common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} micro-batches "
            f"per rank per update, {cfg['timed_updates']} timed updates after {cfg['warmup_updates']} of warm-up, "
            f"median of {cfg['repeats']} repeats; one torch thread per rank on {cpus} cores "
            f"(torch {data['machine']['torch']}). Each cell: samples/s, then the ratio to DDP + ZeRO-1 and to the "
            f"roofline measured side by side in the same repeat (medians).", ""]
     for ranks, runs in by_ranks(data).items():
         rates = [r for r in RATE_LABELS if r in runs]
-        rows = []
-        for name in [n for n in METHODS if any(n in runs[r]["methods"] for r in rates)]:
-            cells = [runs[r]["methods"].get(name) for r in rates]
-            rows.append([label(name)] + ["" if m is None else
-                                         f"{m['median_samples_per_s']:.1f} (x{m.get('median_vs_zero1', float('nan')):.2f}"
-                                         f" ZeRO-1, x{m.get('median_vs_roofline', float('nan')):.2f} roofline)"
-                                         for m in cells])
+        rows = [[common.label(name)] + [cell(runs[r]["methods"].get(name)) for r in rates]
+                for name in common.METHODS if any(name in runs[r]["methods"] for r in rates)]
         note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > (cpus or 1) else ""
-        header = ["method"] + [f"{r} ({rate_text(runs[r]['rate'])})" for r in rates]
-        out += [f"**{ranks} ranks{note}**", "", md_table(header, rows), ""]
+        header = ["method"] + [f"{r} ({common.rate_text(runs[r]['rate'])})" for r in rates]
+        out += [f"**{ranks} ranks{note}**", "", common.md_table(header, rows), ""]
     return "\n".join(out)
+
+
+def cell(m: dict[str, Any] | None) -> str:
+    if m is None:
+        return ""
+    return (f"{m['median_samples_per_s']:.1f} (x{m.get('median_vs_zero1', math.nan):.2f} ZeRO-1, "
+            f"x{m.get('median_vs_roofline', math.nan):.2f} roofline)")
 
 
 def calibration_table(data: dict[str, Any]) -> str:
@@ -372,10 +320,11 @@ def calibration_table(data: dict[str, Any]) -> str:
             base = cal["unlimited"]
             rows.append([ranks, name, f"{base['compute_s_per_round'] * 1000:.0f} ms",
                          f"{base['lo_bytes_per_round'] / 1e6:.1f} MB", f"{base['comm_s_per_round'] * 1000:.0f} ms",
-                         f"{target['rate']} ({rate_text(target['rate'])})",
+                         f"{target['rate']} ({common.rate_text(target['rate'])})",
                          f"{target['comm_s_per_round'] * 1000:.0f} ms", f"{target['ratio']:.2f}"])
-    return md_table(["ranks", "target", "compute per acco round", "loopback bytes per round",
-                     "comm per round, unlimited", "tbf rate", "comm per round at that rate", "comm / compute"], rows)
+    return common.md_table(["ranks", "target", "compute per acco round", "loopback bytes per round",
+                            "comm per round, unlimited", "tbf rate", "comm per round at that rate", "comm / compute"],
+                           rows)
 
 
 def lane_table(data: dict[str, Any]) -> str:
@@ -385,14 +334,14 @@ def lane_table(data: dict[str, Any]) -> str:
     for ranks, runs in by_ranks(data).items():
         for rate in [r for r in RATE_LABELS if r in runs]:
             roof = runs[rate]["methods"].get("roofline")
-            for name in [n for n in METHODS if n in runs[rate]["methods"]]:
-                if name in ("roofline", "ddp-adamw") or METHODS[name].estimate_dtype is not None:
+            for name in [n for n in common.METHODS if n in runs[rate]["methods"]]:
+                if name in ("roofline", "ddp-adamw") or common.METHODS[name].estimate_dtype is not None:
                     continue
                 m = runs[rate]["methods"][name]
                 lane = m.get("lane", {})
-                seconds = phases(lane.get("phase_s", {}))
+                seconds = common.phases(lane.get("phase_s", {}))
                 rows.append([
-                    str(ranks), rate, label(name),
+                    str(ranks), rate, common.label(name),
                     f"{m['compute_s_per_micro_batch'] * 1000:.0f}"
                     + (f" ({roof['compute_s_per_micro_batch'] * 1000:.0f})" if roof else ""),
                     f"{m['micro_batches_per_update']:.1f}", f"{m['boundary_s_per_round'] * 1000:.0f}",
@@ -402,43 +351,44 @@ def lane_table(data: dict[str, Any]) -> str:
                     f"{m['lo_bytes_per_update'] / 1e6:.1f}" if m.get("lo_bytes_per_update") else "",
                     f"{max(m['foreign_cpu_share']):.0%}",
                 ])
-    return md_table(["ranks", "rate", "method", "compute ms per micro-batch (roofline)", "micro-batches per update",
-                     "step() ms per round", "lane ms per round", " / ".join(lane_phases) + " ms", "comm hidden",
-                     "loopback MB per update", "other load (max)"], rows)
+    return common.md_table(["ranks", "rate", "method", "compute ms per micro-batch (roofline)",
+                            "micro-batches per update", "step() ms per round", "lane ms per round",
+                            " / ".join(lane_phases) + " ms", "comm hidden", "loopback MB per update",
+                            "other load (max)"], rows)
 
 
 def baseline_table(run: dict[str, Any]) -> str:
     """An A/B run (``--baseline``): medians of both checkouts and their ratio per method."""
     base = run["baseline"]
-    rows = [[label(name), f"{m['median_samples_per_s']:.2f}",
+    rows = [[common.label(name), f"{m['median_samples_per_s']:.2f}",
              f"{base['methods'][name]['median_samples_per_s']:.2f}",
              f"{m['median_vs_baseline']:.3f} ({min(m['vs_baseline']):.3f}-{max(m['vs_baseline']):.3f})"]
             for name, m in run["methods"].items()]
     return (f"{run['ranks']} ranks, {run['label']}: this checkout against {base['path']} ({base['commit']}), "
-            f"{run['repeats']} interleaved repeats\n\n" + md_table(
+            f"{run['repeats']} interleaved repeats\n\n" + common.md_table(
                 ["method", "samples/s, this", "samples/s, baseline", "ratio this / baseline (min-max)"], rows))
 
 
 def plot(data: dict[str, Any], path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     runs = by_ranks(data)
     fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
     for ax, (ranks, by_rate) in zip(axes[0], runs.items()):
         rates = [r for r in RATE_LABELS if r in by_rate]
-        names = [n for n in METHODS if any(n in by_rate[r]["methods"] for r in rates)]
+        names = [n for n in common.METHODS if any(n in by_rate[r]["methods"] for r in rates)]
         width = 0.8 / len(names)
         for i, name in enumerate(names):
             values = [by_rate[r]["methods"].get(name, {}).get("median_vs_roofline", 0) for r in rates]
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rates))]
-            ax.bar(xs, values, width, label=label(name).replace("`", ""), color=METHODS[name].colour,
-                   hatch={"--": "//", ":": ".."}.get(METHODS[name].line, ""), edgecolor="white")
+            ax.bar(xs, values, width, label=common.label(name).replace("`", ""), color=common.METHODS[name].colour,
+                   hatch={"--": "//", ":": ".."}.get(common.METHODS[name].line, ""), edgecolor="white")
         ax.axhline(0.95, color="k", lw=0.8, ls="--")
         ax.axhline(0.9, color="k", lw=0.8, ls=":")
-        ax.set_xticks(range(len(rates)), [f"{r}\n{rate_text(by_rate[r]['rate'])}" for r in rates])
+        ax.set_xticks(range(len(rates)), [f"{r}\n{common.rate_text(by_rate[r]['rate'])}" for r in rates])
         ax.set(ylabel="samples/s / roofline", ylim=(0, 1.1),
                title=f"{ranks} ranks" + (" (oversubscribed)" if ranks > data["machine"]["cpus"] else ""))
     axes[0][0].legend(fontsize=7, loc="lower left")
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
@@ -479,11 +429,12 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    return [row for stem, data in results.items() for row in
-            [(stem, data["runtime_s"])] + [(f"  {r['ranks']} ranks, {r['label']}", r["runtime_s"]) for r in data["runs"]]]
+    return [row for stem, data in results.items()
+            for row in [(stem, data["runtime_s"]), *((f"  {r['ranks']} ranks, {r['label']}", r["runtime_s"])
+                                                     for r in data["runs"])]]
 
 
-BENCHMARK = Benchmark("throughput", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)

@@ -7,22 +7,18 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
 
 DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``) when it
-imports, otherwise through the plain implementation in ``diloco.py``; ``--diloco`` chooses
-and the JSON records which one ran.
+imports, otherwise through the plain implementation in ``diloco.py`` (``--diloco`` chooses).
 
 How it measures (in full: benchmarks/README.md, "Time to loss"). Every method trains the
-same initial model on the same micro-batch stream per rank, with AdamW at ``--lr`` (linear
-warm-up over ``--warmup`` updates, then constant: a schedule tied to a number of updates
-would differ between methods that make different numbers of updates in the same time),
-until its clock reaches ``--budget`` seconds; acco's ``finish()`` then drains on the clock.
-Evaluation is off the clock and off the network: at the first committed boundary after
-each ``--eval-every`` seconds every rank copies the committed parameters (the clock paused
-for the copy), and every copy is evaluated after the budget. Pausing the clock to evaluate
-during training would let acco's comm lane communicate for free. The ranks stop on the
-same round without ever waiting on the busy link: see :class:`AgreedClock`. The target is
-DDP + ZeRO-1's final held-out loss per seed; a method's time to it is the first time its
-curve reaches it (linear between evaluations), as a fraction of the budget. Rates are
-calibrated with ``throughput.py``'s functions, for this model.
+same initial model on the same micro-batch stream per rank with AdamW at ``--lr``, linear
+warm-up then constant (a schedule tied to a number of updates would differ between methods
+that make different numbers of updates in the same time), until its clock reaches
+``--budget``; acco's ``finish()`` then drains on the clock. Evaluation is off the clock and
+off the network: the committed parameters are copied at the first committed boundary after
+each ``--eval-every`` seconds and evaluated after the budget (evaluating with the clock
+paused would let acco's comm lane communicate for free). The target is DDP + ZeRO-1's
+final held-out loss per seed; a method's time to it is the first time its curve reaches it
+(linear between evaluations), as a fraction of the budget.
 """
 
 from __future__ import annotations
@@ -37,43 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import throughput
-from common import (
-    METHODS,
-    Benchmark,
-    ForeignLoad,
-    ModelConfig,
-    UnsupportedMethod,
-    all_reduce,
-    batches,
-    build_method,
-    build_model,
-    label,
-    lane_summary,
-    lo_tx_bytes,
-    machine,
-    main,
-    md_table,
-    method_name,
-    method_spec,
-    minutes,
-    pyplot,
-    rate_text,
-    run_ranks,
-    save_figure,
-    train_round,
-    training_text,
-    wait_for_quiet,
-    write_json,
-)
+import common
 from diloco import torchft_version
-from examples.train_gpt import Dist, eval_batches, evaluate, loss_fn
+from examples.train_gpt import Dist, eval_batches, evaluate
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["BENCHMARK", "AgreedClock", "Clock", "WarmupConstant", "blocks", "runtimes", "summary", "targets"]
 
-TTL_METHODS = [n for n, s in METHODS.items() if s.family != "roofline"]
+TTL_METHODS = [n for n, s in common.METHODS.items() if s.family != "roofline"]
 RATE_LABELS = ("comm~compute", "comm~3x")
 BASELINE = "ddp-zero1"
 # The issue's bar: the best acco configuration reaches ZeRO-1's final loss within this share of the budget.
@@ -87,7 +56,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--rates", nargs="+", default=None, metavar="RATE",
         help="tc rates for comm~compute then comm~3x (e.g. 440mbit 140mbit): skips calibration")
-    add("--methods", nargs="+", default=TTL_METHODS, type=method_name, metavar="METHOD",
+    add("--methods", nargs="+", default=TTL_METHODS, type=common.method_name, metavar="METHOD",
         help=f"from {', '.join(TTL_METHODS)}; any diloco-hN (H = N)")
     add("--seeds", type=int, nargs="+", default=[1337, 7])
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
@@ -97,10 +66,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=10, help="optimizer updates (DiLoCo: inner steps) of linear warm-up")
     add("--grad-clip", type=float, default=1.0, help="0: off")
-    add("--n-layer", type=int, default=4)
-    add("--n-embd", type=int, default=128)
-    add("--seq-len", type=int, default=64)
-    add("--batch-size", type=int, default=8)
+    common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
     add("--ranks", type=int, default=2)
     add("--diloco", choices=["auto", "torchft", "plain"], default="auto",
         help="DiLoCo implementation (auto: torchft if it imports, else plain)")
@@ -129,9 +95,8 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def model_config(args: argparse.Namespace, seed: int) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len, batch_size=args.batch_size,
-                       lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
+def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
+    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
 
 
 class WarmupConstant:
@@ -201,26 +166,24 @@ class AgreedClock:
             self._work = None
 
 
-def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_data: torch.Tensor,
+def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, train_data: torch.Tensor,
                eval_set: list[tuple[torch.Tensor, torch.Tensor]], initial_loss: float) -> dict[str, Any]:
     """Train ``name`` for the budget; its evaluation points and what they cost."""
     rank, world = dist.get_rank(), dist.get_world_size()
     setup_started = time.perf_counter()
     try:
-        method = build_method(name, config, args.micro_batches, diloco=args.diloco,
+        method = common.build_method(name, config, args.micro_batches, diloco=args.diloco,
                               schedule=WarmupConstant(args.warmup))
-    except UnsupportedMethod as error:
+    except common.UnsupportedMethod as error:
         return {"method": name, "skipped": str(error)}
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
     scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, WarmupConstant(args.warmup)) if method.opt else None
-    next_batch = batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
+    next_batch = common.batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
     params = list(method.module.parameters())
     setup_s = time.perf_counter() - setup_started
-    waited = wait_for_quiet(max_wait_s=args.max_quiet_wait)
-    foreign, agreed_clock = ForeignLoad(), AgreedClock()
-    dist.barrier()
-    foreign.start()
-    bytes0, clock = lo_tx_bytes(), Clock()
+    window, agreed_clock = common.Window(args.max_quiet_wait), AgreedClock()
+    window.open()
+    clock = Clock()
     snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     computed = rounds = counted = 0
     next_eval, due, last_commit = args.eval_every, False, 0.0
@@ -233,7 +196,7 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_d
         clock.pause(time.perf_counter() - started)
 
     while True:
-        record = train_round(method, next_batch)
+        record = common.train_round(method, next_batch)
         computed, rounds, now = computed + len(record.losses), rounds + 1, clock.elapsed()
         if record.committed:
             counted, last_commit = counted + 1, now
@@ -251,8 +214,7 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_d
     agreed_clock.close()
     if method.finish():  # acco, dpu: the update in flight lands, on the clock
         counted, last_commit = counted + 1, clock.elapsed()
-    end_s, bytes1 = clock.elapsed(), lo_tx_bytes()
-    foreign_share = foreign.stop()
+    end_s, measured = clock.elapsed(), window.close()
     if not snapshots or snapshots[-1][0]["elapsed_s"] != last_commit:
         snapshot(last_commit)  # the committed parameters at the end, from when they were committed
     updates = method.committed_updates(counted)
@@ -265,27 +227,29 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_d
                 for p, q in zip(params, copy):
                     p.copy_(q)
             losses[i] = evaluate(method.module, eval_set)
-    losses = all_reduce(losses)
+    losses = common.all_reduce(losses)
     points = [{"elapsed_s": 0.0, "updates": 0, "samples": 0, "loss": initial_loss}]
     points += [{**info, "loss": loss} for (info, _), loss in zip(snapshots, losses)]
-    lo_bytes = None if bytes0 is None or bytes1 is None else bytes1 - bytes0
+    lo_bytes = measured["lo_bytes"]
     result: dict[str, Any] = {
         "method": name, "points": points, "final_loss": points[-1]["loss"], "stopped_s": stopped_s, "end_s": end_s,
         "updates": updates, "rounds": rounds, "updates_per_s": updates / end_s,
-        "samples_per_s": points[-1]["samples"] / end_s, "micro_batches_computed": all_reduce([computed])[0],
+        "samples_per_s": points[-1]["samples"] / end_s, "micro_batches_computed": common.all_reduce([computed])[0],
         "micro_batches_per_update": points[-1]["samples"] / args.batch_size / world / updates if updates else None,
-        "lo_bytes": lo_bytes, "foreign_cpu_share": foreign_share, "waited_for_quiet_s": waited, "setup_s": setup_s,
+        "lo_bytes": lo_bytes, "foreign_cpu_share": measured["foreign_cpu_share"],
+        "waited_for_quiet_s": measured["waited_for_quiet_s"], "setup_s": setup_s,
         "eval_s": time.perf_counter() - eval_started,
     }
     if lo_bytes is not None and updates:
         result["lo_bytes_per_update"] = lo_bytes / updates
     if method.spec.family == "diloco":
+        implementation = f"torchft {torchft_version()}" if args.diloco == "torchft" else "plain (diloco.py)"
         result.update(sync_every=method.sync_every, outer_steps=method.outer_steps, inner_steps=method.inner_steps,
-                      implementation=f"torchft {torchft_version()}" if args.diloco == "torchft" else "plain (diloco.py)")
+                      implementation=implementation)
         if lo_bytes is not None and method.outer_steps:
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.round_stats():
-        result["lane"] = lane_summary(method.round_stats())
+        result["lane"] = common.lane_summary(method.round_stats())
     method.close()
     return result
 
@@ -293,15 +257,12 @@ def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_d
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else args.seeds[0]
     config = model_config(args, seed)
-    train_data, held_out = training_text(config.seq_len)
+    train_data, held_out = common.training_text(config.seq_len)
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, seed, torch.device("cpu"))
-    initial_loss = evaluate(build_model(config), eval_set)  # every method starts from this model
-    warm, next_warm = build_model(config), batches(train_data, config, 0)
-    for _ in range(2):  # warm the allocator and kernels up once, so the first method is not penalised
-        loss_fn(warm, *next_warm()).backward()
-    shift = args.seeds.index(seed) % len(args.methods) if seed in args.seeds else 0  # no method always first
+    initial_loss = evaluate(common.build_model(config), eval_set)  # every method starts from this model
+    common.warm_up(config, common.batches(train_data, config, 0))
     runs: dict[str, Any] = {}
-    for name in args.methods[shift:] + args.methods[:shift]:
+    for name in common.rotated(args.methods, args.seeds.index(seed) if seed in args.seeds else 0):
         started = time.perf_counter()
         runs[name] = r = run_method(name, args, config, train_data, eval_set, initial_loss)
         gc.collect()  # the method's model, optimizer and buffers go before the next one
@@ -322,15 +283,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     config = model_config(args, args.seeds[0])
     results: dict[str, Any] = {
-        "benchmark": "time_to_loss",
         "config": {**config.as_dict(), "seeds": args.seeds, "ranks": args.ranks, "budget_s": args.budget,
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
                    "diloco": {"implementation": args.diloco, "torchft": torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
-                   "parameters": sum(p.numel() for p in build_model(config).parameters())},
-        "machine": machine(),
+                   "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
         "rates": {}, "runs": [],
     }
@@ -349,12 +308,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
             run_started = time.perf_counter()
-            run = run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}", rate=rate,
+            run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}", rate=rate,
                             netns=True)
             run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            write_json(args.out, results)  # after every launch, so a long sweep keeps what it has
+            common.write_json(args.out, results)  # after every launch, so a long sweep keeps what it has
     results["summary"] = summary(results)
     print(table(results))
     return results
@@ -405,10 +364,10 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
     for run in data["runs"]:
         by_label.setdefault(run["label"], []).append(run)
     for rate, runs in by_label.items():
-        goals = {str(r["seed"]): {"loss": r["methods"][BASELINE]["final_loss"], "updates": r["methods"][BASELINE]["updates"]}
-                 for r in runs if "points" in r["methods"].get(BASELINE, {})}
+        goals = {str(r["seed"]): {"loss": base["final_loss"], "updates": base["updates"]}
+                 for r in runs if "points" in (base := r["methods"].get(BASELINE, {}))}
         methods: dict[str, Any] = {}
-        for name in [n for n in dict.fromkeys([*METHODS, *(m for r in runs for m in r["methods"])])
+        for name in [n for n in dict.fromkeys([*common.METHODS, *(m for r in runs for m in r["methods"])])
                      if any(n in r["methods"] for r in runs)]:
             done = [r for r in runs if "points" in r["methods"].get(name, {})]
             skipped = [r["methods"][name]["skipped"] for r in runs if "skipped" in r["methods"].get(name, {})]
@@ -422,7 +381,8 @@ def summary(data: dict[str, Any]) -> dict[str, Any]:
             per_seed = {key: [r["methods"][name].get(key) for r in done] for key in (
                 "final_loss", "end_s", "updates_per_s", "samples_per_s", "micro_batches_per_update",
                 "lo_bytes_per_update", "updates", "foreign_cpu_share")}
-            entry.update(seeds=[r["seed"] for r in done], time_fraction=fractions, median_time_fraction=median(fractions),
+            entry.update(seeds=[r["seed"] for r in done], time_fraction=fractions,
+                         median_time_fraction=median(fractions),
                          reached=sum(f is not None for f in fractions),
                          updates_to_target=[first_crossing(p, g["loss"], key="updates") for p, g in curves],
                          loss_at_baseline_updates=[loss_at(p, g["updates"]) for p, g in curves],
@@ -471,13 +431,15 @@ def table(data: dict[str, Any]) -> str:
             per_byte = f"{e['lo_bytes_per_update'] / 1e6:.2f}" if e.get("lo_bytes_per_update") else "-"
             if e.get("lo_bytes_per_sync"):
                 per_byte += f" ({e['lo_bytes_per_sync'] / 1e6:.1f} per sync)"
-            rows.append([label(name), fraction_cell(e), spread(e["final_loss"], ".3f"),
+            rows.append([common.label(name), fraction_cell(e), spread(e["final_loss"], ".3f"),
                          f"{e['updates_per_s']:.2f}" if e.get("updates_per_s") is not None else "-",
                          f"{e['micro_batches_per_update']:.1f}" if e.get("micro_batches_per_update") else "-",
                          spread(e["updates_to_target"], ".0f"), spread(e["loss_at_baseline_updates"], ".3f"),
                          f"{e['samples_per_s']:.1f}" if e.get("samples_per_s") is not None else "-", per_byte])
-        goals = ", ".join(f"seed {seed}: {t['loss']:.3f} after {t['updates']} updates" for seed, t in s["targets"].items())
-        out += [f"**{rate} ({rate_text(s['rate'])})**: ZeRO-1's final held-out loss {goals}.", "", md_table(
+        goals = ", ".join(f"seed {seed}: {t['loss']:.3f} after {t['updates']} updates"
+                          for seed, t in s["targets"].items())
+        out += [f"**{rate} ({common.rate_text(s['rate'])})**: ZeRO-1's final held-out loss {goals}.", "",
+                common.md_table(
             ["method", "time to ZeRO-1's final loss (fraction of the budget)", "final held-out loss", "updates/s",
              "micro-batches per update", "updates to ZeRO-1's final loss", "loss at ZeRO-1's update count",
              "samples/s", "loopback MB per update"], rows), ""]
@@ -489,8 +451,7 @@ def section(data: dict[str, Any]) -> str:
     diloco = cfg["diloco"]
     implementation = (f"torchft {diloco['torchft']}'s `DiLoCo`" if diloco["implementation"] == "torchft"
                       else "a plain implementation of DiLoCo (Douillard et al. 2023), not torchft")
-    intro = (f"{cfg['ranks']} ranks, GPT of {cfg['parameters'] / 1e6:.2f}M parameters ({cfg['n_layer']} layers, width "
-             f"{cfg['n_embd']}, seq {cfg['seq_len']}, micro-batch {cfg['batch_size']}), {cfg['micro_batches_per_update']} "
+    intro = (f"{cfg['ranks']} ranks, {common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} "
              f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
              f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per "
              f"method**, held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of "
@@ -499,18 +460,19 @@ def section(data: dict[str, Any]) -> str:
     calibration = data.get("calibration", {})
     if calibration.get("targets"):
         base = calibration["unlimited"]
-        rates = "; ".join(f"{name}: {rate_text(t['rate'])} (communication alone {t['comm_s_per_round'] * 1000:.0f} ms "
-                          f"per round, {t['ratio']:.2f} x compute)" for name, t in calibration["targets"].items())
+        rates = "; ".join(f"{name}: {common.rate_text(t['rate'])} (communication alone "
+                          f"{t['comm_s_per_round'] * 1000:.0f} ms per round, {t['ratio']:.2f} x compute)"
+                          for name, t in calibration["targets"].items())
         intro += (f" Calibration: one acco round computes in {base['compute_s_per_round'] * 1000:.0f} ms and moves "
                   f"{base['lo_bytes_per_round'] / 1e6:.1f} MB on the loopback; {rates}.")
     elif data.get("rates"):
         intro += " Rates given on the command line: " + ", ".join(
-            f"{name} {rate_text(rate)}" for name, rate in data["rates"].items()) + "."
-    lines = [f"- {rate}: the best acco configuration, {label(row[0])}, reaches ZeRO-1's final loss in {row[1]:.2f} of "
-             f"the budget (bar: <= {BAR[rate]}): {'met' if row[1] <= BAR[rate] else '**not met**'}."
+            f"{name} {common.rate_text(rate)}" for name, rate in data["rates"].items()) + "."
+    lines = [f"- {rate}: the best acco configuration, {common.label(row[0])}, reaches ZeRO-1's final loss in "
+             f"{row[1]:.2f} of the budget (bar: <= {BAR[rate]}): {'met' if row[1] <= BAR[rate] else '**not met**'}."
              for rate, row in best_acco(s).items() if row is not None]
     skipped = {n: e["skipped"] for r in s.values() for n, e in r["methods"].items() if "final_loss" not in e}
-    lines += [f"- Not run: {label(name)}: {reason}." for name, reason in skipped.items()]
+    lines += [f"- Not run: {common.label(name)}: {reason}." for name, reason in skipped.items()]
     return "\n".join([intro, "", table(data)] + lines)
 
 
@@ -521,7 +483,7 @@ def best_acco(s: dict[str, Any]) -> dict[str, tuple[str, float] | None]:
 
 
 def plot(data: dict[str, Any], path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     s, budget = data.get("summary") or summary(data), data["config"]["budget_s"]
     rates = list(s)
     names = [n for n in s[rates[0]]["methods"] if any("final_loss" in r["methods"].get(n, {}) for r in s.values())]
@@ -532,19 +494,19 @@ def plot(data: dict[str, Any], path: Path) -> str:
         ax = fig.add_subplot(grid[0, column])
         runs = [r for r in data["runs"] if r["label"] == rate]
         for name in names:
-            spec = method_spec(name)
+            spec = common.method_spec(name)
             for i, run in enumerate(r for r in runs if "points" in r["methods"].get(name, {})):
                 points = run["methods"][name]["points"]
                 ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=spec.colour,
                         ls=spec.line, lw=2 if name == BASELINE else 1.3, alpha=1.0 if i == 0 else 0.35,
-                        marker="." if i == 0 else None, label=label(name).replace("`", "") if i == 0 else None)
+                        marker="." if i == 0 else None, label=common.label(name).replace("`", "") if i == 0 else None)
         for goal in s[rate]["targets"].values():
             ax.axhline(goal["loss"], color="gray", lw=0.7, ls="--")
         ax.axvline(budget, color="gray", lw=0.7)
         losses = [p["loss"] for r in runs for m in r["methods"].values() for p in m.get("points", [])]
         ax.set_ylim(min(losses) - 0.05, initial + 0.05)
         ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss",
-               title=f"{rate} ({rate_text(s[rate]['rate'])}); faint: other seeds; dashed: ZeRO-1's final loss")
+               title=f"{rate} ({common.rate_text(s[rate]['rate'])}); faint: other seeds; dashed: ZeRO-1's final loss")
         if column == 0:
             ax.legend(fontsize=7, loc="upper right")
     bars = fig.add_subplot(grid[1, :])
@@ -559,11 +521,12 @@ def plot(data: dict[str, Any], path: Path) -> str:
         if rate in BAR:
             bars.axhline(BAR[rate], color=f"C{j}", lw=0.8, ls="--")
     bars.axhline(1.0, color="gray", lw=0.7)
-    bars.set_xticks(range(len(names)), [label(n).replace("`", "") for n in names], rotation=20, ha="right", fontsize=8)
+    bars.set_xticks(range(len(names)), [common.label(n).replace("`", "") for n in names], rotation=20, ha="right",
+                    fontsize=8)
     bars.set(ylabel="fraction of the budget (median over seeds)",
              title="time to DDP + ZeRO-1's final held-out loss (dashed: the issue's bar at each rate)")
     bars.legend(fontsize=8)
-    return save_figure(fig, path, dpi=100)
+    return common.save_figure(fig, path, dpi=100)
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
@@ -579,7 +542,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         return []
     return [(f"{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {BAR[rate]} of "
              "the same wall-clock budget (time_to_loss.py, median over seeds)",
-             f"{row[1]:.2f} ({label(row[0])})" if row else "not reached", row is not None and row[1] <= BAR[rate])
+             f"{row[1]:.2f} ({common.label(row[0])})" if row else "not reached",
+             row is not None and row[1] <= BAR[rate])
             for rate, row in best_acco(data.get("summary") or summary(data)).items()]
 
 
@@ -593,7 +557,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
     return rows + [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
 
 
-BENCHMARK = Benchmark("time_to_loss", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    main(BENCHMARK)
+    common.main(BENCHMARK)
