@@ -1,26 +1,15 @@
 """Convergence: the example GPT on the standard library's text, at equal samples, for
-acco's three modes and DDP + ZeroRedundancyOptimizer; and how far an acco (or dpu) update
-is from the synchronous update taken from the same parameters and data.
+acco's modes and DDP + ZeroRedundancyOptimizer; and how far an acco (or dpu) update is from
+the synchronous update taken from the same parameters and data (:class:`UpdateDifference`).
 
     python benchmarks/convergence.py                 # 2 ranks, plain torchrun (no root needed)
     python benchmarks/convergence.py --quick         # 20 updates: a smoke run, into results/scratch/
 
-Every method sees exactly the same micro-batches (each rank draws its own stream, the same
-in every method), the example's recipe (AdamW, no decay on biases / LayerNorms /
-embeddings, clipping at 1.0, linear warm-up then cosine, stepped once per committed
-update) and the same number of updates and micro-batches per update. The loss curves are
-the training loss (mean over every rank's micro-batches of an update) and the eval loss on
-fixed held-out batches; the final eval loss is taken on the committed parameters.
-
-The update difference. Every ``--diff-every`` updates, in the acco runs, the benchmark
-waits for the comm lane to be idle and records this rank's master shard and AdamW state
-(theta, S) just before the optimizer starts its next update, and the micro-batches that
-update will use. When the update has landed (``u_acco``: the new shard minus the old), it
-replays the synchronous update from the same place: gradients of the same micro-batches
-all taken at theta, averaged over ranks, clipped, one AdamW step from S (``u_sync``). It
-reports ``||u_acco - u_sync|| / (||u_acco|| + ||u_sync||)`` over all shards. Waiting for
-the lane changes the timing, not the arithmetic; in ``sync`` mode it is a control and must
-find no difference.
+Every method sees exactly the same micro-batches (each rank its own stream, the same in
+every method), the example's recipe (AdamW, clipping, linear warm-up then cosine, stepped
+once per committed update) and the same number of updates and micro-batches per update,
+so the curves compare equal samples; the final eval loss is taken on the committed
+parameters.
 """
 
 from __future__ import annotations
@@ -83,8 +72,16 @@ def model_config(args: argparse.Namespace) -> common.ModelConfig:
 
 
 class UpdateDifference:
-    """Compares each measured acco / dpu update with the synchronous update from the same
-    parameters, optimizer state and micro-batches (see the module docstring)."""
+    """How far acco's (or dpu's) updates are from the synchronous update from the same place.
+
+    Every ``every`` updates it waits for the comm lane to be idle and keeps this rank's
+    master shard and AdamW state (theta, S) from just before an update starts, and the
+    micro-batches that update uses. Once the update has landed (``u``: the new shard minus
+    theta) it replays the synchronous update: the same micro-batches' gradients all taken at
+    theta, averaged over ranks, clipped, one AdamW step from S (``u_sync``), and records
+    ``||u - u_sync|| / (||u|| + ||u_sync||)`` over all shards. Waiting for the lane changes
+    the timing, not the arithmetic; in ``sync`` mode it is a control.
+    """
 
     def __init__(self, method: common.AccoMethod, every: int, total: int) -> None:
         self.opt, self.model, self.config = method.opt, method.model, method.config

@@ -5,23 +5,12 @@ tensor bytes by kind (at rest and at the end of a backward) and as peak resident
     python benchmarks/memory.py --quick    # 2 ranks, fp32: a smoke run, into results/scratch/
 
 Each method trains in fresh processes: ``--warmup`` updates (so every lazily allocated
-buffer exists), then ``--updates`` measured updates. Per rank:
-
-- **tensor bytes by kind**, at rest (after ``step()``) and at the end of the last backward
-  of every measured round (its gradients all exist; activations are freed), the larger
-  reported: the parameters, every ``p.grad``, the optimizer state, each storage counted
-  once, and acco's buffers as ``AccoOptimizer.buffer_bytes()`` reports them (a ``p.grad``
-  that is a view of acco's accumulator is in there already). DDP's buckets are not
-  reachable from Python: they hold one gradient per parameter (with
-  ``gradient_as_bucket_view`` they are the ``p.grad`` storages).
-- **peak resident memory added by training**: ``VmHWM`` over the measured updates (reset
-  once the warm-up is done) minus the resident memory before the model was built, minus
-  the parameters. The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor
-  larger than 64 KiB is its own mapping and freed memory leaves the resident set at once.
-
-DDP + ZeRO-1 uses ``gradient_as_bucket_view=True`` (the lean setting its users pick); plain
-DDP uses DDP's defaults. The model is the example's GPT at about 25M parameters with short
-micro-batches, so the buffers, not the activations, dominate.
+buffer exists), then ``--updates`` measured updates. Tensors are counted by :func:`account`;
+the peak resident memory is ``VmHWM`` over the measured updates minus what was resident
+before the model was built, minus the parameters, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
+that a freed tensor leaves the resident set at once (benchmarks/README.md, "Memory"). The
+model is the example's GPT at about 25M parameters with short micro-batches, so that the
+buffers, not the activations, dominate.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Run N ranks on this machine behind a rate-limited network.
 
 A fresh network namespace whose loopback carries a token-bucket filter (``tc qdisc ... tbf``)
-stands in for a slow cluster network: every rank runs inside it and talks to the others on
-127.0.0.1, so every byte of every collective crosses the limited link. The namespace is
-always removed afterwards (also on Ctrl-C, SIGTERM or a failing command).
+stands in for a slow cluster network: every rank talks to the others on 127.0.0.1, so every
+byte of every collective crosses the limited link, shared by all ranks. The namespace is
+always removed afterwards (also on Ctrl-C, SIGTERM or a failing command). Needs root (or
+CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; what the link is and is not:
+benchmarks/README.md, "A slow cluster on one machine".
 
-    sudo python benchmarks/netns.py --nproc 2 --rate 200mbit -- benchmarks/throughput.py --worker ...
-    sudo python benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
-
-Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). netem is not
-needed; tbf is in every kernel. Notes on what the link is:
-
-- all ranks share one loopback device, so the rate limits the *sum* of every rank's
-  traffic (a shared link, as for ranks behind one switch port), not each rank's own link;
-- ``burst`` must be at least one loopback packet (64 KiB with GSO) or nothing passes;
-  256kb (tc's ``kb`` is kilobytes) is the default;
-- over the limit, packets queue up to ``latency`` and are then dropped, and TCP backs off:
-  the goodput is somewhat below the rate, which is why the benchmarks calibrate the rate
-  by measuring, not by dividing bytes by the rate.
-
-The benchmarks themselves do not need this launcher: they run unchanged under plain
-``torchrun`` on a real cluster.
+    sudo $(which python) benchmarks/netns.py --nproc 2 --rate 200mbit -- examples/train_gpt.py
+    sudo $(which python) benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
 """
 
 from __future__ import annotations
