@@ -61,7 +61,7 @@ from examples.train_gpt import (  # noqa: E402
 __all__ = [
     "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
     "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
-    "build_model", "describe", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
+    "build_model", "describe", "even", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
     "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
     "read_json", "rotated", "run_ranks", "save_figure", "train_round", "training_text", "wait_for_quiet", "warm_up",
     "write_json",
@@ -126,6 +126,13 @@ def method_name(name: str) -> str:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return name
+
+
+def even(text: str) -> int:
+    """argparse ``type=`` for micro-batches per update: acco splits an update into two rounds."""
+    if not text.isdigit() or int(text) < 2 or int(text) % 2:
+        raise argparse.ArgumentTypeError(f"must be even and at least 2 (acco splits an update into two rounds): {text}")
+    return int(text)
 
 
 def label(name: str) -> str:
@@ -433,6 +440,8 @@ def lane_summary(stats: Sequence[Any], average: Callable[[Any], float] = statist
         "wait_s": average([s.wait_seconds for s in stats]),
         "hidden_share": average([s.hidden_share for s in stats]),
         "phase_s": {p: average([s.phase_seconds.get(p, 0.0) for s in stats]) for p in names},
+        # CPU time of the lane's thread (checkouts from before RoundStats.phase_cpu_seconds: none)
+        "phase_cpu_s": {p: average([getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats]) for p in names},
     }
 
 

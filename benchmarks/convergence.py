@@ -43,7 +43,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--ranks", type=int, default=2)
     add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     add("--updates", type=int, default=example.updates)
-    add("--micro-batches", type=int, default=example.micro_batches_per_update, help="per rank per update (even)")
+    add("--micro-batches", type=common.even, default=example.micro_batches_per_update, help="per rank per update")
     add("--lr", type=float, default=example.lr)
     add("--warmup", type=int, default=example.warmup)
     add("--grad-clip", type=float, default=example.grad_clip)
@@ -58,10 +58,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def quick(args: argparse.Namespace) -> None:
     args.updates, args.warmup, args.eval_every, args.eval_batches, args.diff_every = 20, 4, 10, 4, 5
-
-
-def check(args: argparse.Namespace) -> str | None:
-    return "--micro-batches must be even (acco splits an update into two rounds)" if args.micro_batches % 2 else None
 
 
 def model_config(args: argparse.Namespace) -> common.ModelConfig:
@@ -359,7 +355,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
     return [("convergence", results["convergence"]["runtime_s"])] if "convergence" in results else []
 
 
-BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick)
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

@@ -1,27 +1,17 @@
 """DiLoCo (Douillard et al. 2023, arXiv 2311.08105) for the benchmarks: the method a user
-with a slow network would otherwise pick.
+with a slow network would otherwise pick. Two implementations behind one
+:class:`common.Method` interface:
 
-Two implementations behind one :class:`~common.Method` interface:
+- :class:`DiLoCoMethod`, the published algorithm written here: every rank runs the inner
+  AdamW alone for H (``sync_every``) steps, then the ranks all-reduce the difference from
+  the last synchronised parameters (the outer gradient) and apply SGD with Nesterov
+  momentum (0.9, lr 0.7) to those; one blocking all-reduce of the whole model per H steps.
+- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` driven the same way, each rank
+  a replica group of one, rank 0 running torchft's lighthouse.
 
-- :class:`DiLoCoMethod`: a plain implementation of the published algorithm, written here.
-  Every rank runs the inner optimizer (AdamW) alone for ``sync_every`` (H) steps; then the
-  ranks all-reduce the parameter difference from the last synchronised parameters (the
-  "outer gradient"), average it, and apply the outer optimizer, SGD with Nesterov momentum
-  (0.9, lr 0.7 in the paper), to the synchronised parameters, which every rank then loads.
-  Each rank keeps its own inner optimizer state, as in the paper. One all-reduce of the
-  whole model per H inner steps, blocking; nothing is sharded.
-- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` (torchft 0.2.0) driven the same
-  way: each rank is a torchft replica group of one process, rank 0 runs torchft's lighthouse
-  in-process, and every synchronisation goes through torchft's quorum, its gloo all-reduce
-  of the pseudo-gradients and its commit vote, as it would for a user of torchft.
-
-In both, an inner step is one optimizer step over ``micro_batches_per_update`` micro-batches
-(the same micro-batches per step as every other method's update), and ``end_round()``
-returns True when the ranks have just synchronised: only then do all ranks hold the same
-parameters, so that is when the benchmarks evaluate. ``finish()`` puts the last
-synchronised parameters back into the model (the inner steps since then are local to each
-rank and are not a model anyone holds): a DiLoCo run stopped between two synchronisations
-has its last synchronised model.
+An inner step covers ``micro_batches_per_update`` micro-batches, like every other method's
+update. ``end_round()`` returns True only when the ranks have just synchronised, the only
+time they all hold one model; ``finish()`` puts the last synchronised parameters back.
 """
 
 from __future__ import annotations
@@ -167,26 +157,14 @@ class TorchftDiLoCoMethod(_InnerLoop):
         def load_state_dict(state: dict[str, Any]) -> None:
             model.load_state_dict(state["model"])
 
+        # use_async_quorum=False: DiLoCo requires it. init_sync=False: every rank built the same
+        # model from the same seed; with init_sync, the first quorum would make one replica
+        # fetch the other's state over HTTP mid-run.
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            min_replica_size=world,
-            load_state_dict=load_state_dict,
-            state_dict=lambda: {"model": model.state_dict()},
-            replica_id=f"rank{rank}",
-            store_addr="127.0.0.1",
-            store_port=self._store.port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=address[0],
-            hostname="127.0.0.1",
-            use_async_quorum=False,  # DiLoCo requires it
-            # Every rank built the same model from the same seed. With init_sync, the first
-            # quorum would make one replica fetch the other's state over HTTP mid-run.
-            init_sync=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-        )
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, load_state_dict=load_state_dict,
+            state_dict=lambda: {"model": model.state_dict()}, replica_id=f"rank{rank}", store_addr="127.0.0.1",
+            store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=address[0], hostname="127.0.0.1",
+            use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
         self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
         self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
         self.diloco.__enter__()  # registers its hooks on the inner optimizer

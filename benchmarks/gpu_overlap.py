@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import itertools
 import json
 import statistics
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-from examples.train_gpt import Dist, load_corpus, split_corpus
+from examples.train_gpt import Dist
 
 import torch
 import torch.distributed as dist
@@ -65,22 +66,10 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def device_batches(config: common.ModelConfig, count: int, seed: int, device: torch.device) -> Any:
-    """Cycles through a pool of micro-batches already on the device: no host copy in the loop."""
-    train, _ = split_corpus(load_corpus(None, 4_000_000), config.seq_len)
-    generator = torch.Generator().manual_seed(seed)
-    pool = []
-    for _ in range(count):
-        starts = torch.randint(0, len(train) - config.seq_len - 1, (config.batch_size,), generator=generator)
-        windows = torch.stack([train[s : s + config.seq_len + 1] for s in starts.tolist()]).long().to(device)
-        pool.append((windows[:, :-1], windows[:, 1:]))
-    state = {"next": 0}
-
-    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        state["next"] += 1
-        return pool[(state["next"] - 1) % len(pool)]
-
-    return next_batch
+def device_batches(config: common.ModelConfig, seed: int, device: torch.device) -> Any:
+    """Cycles through 8 micro-batches already on the device: no host copy in the loop."""
+    next_batch = common.batches(common.training_text(config.seq_len)[0], config, seed)
+    return itertools.cycle([tuple(t.to(device) for t in next_batch()) for _ in range(8)]).__next__
 
 
 def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
@@ -88,7 +77,7 @@ def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
     config = QUICK_CONFIG if args.quick else CONFIG
     rounds_per_update = 2 if common.method_spec(name).mode == "acco" else 1  # --micro-batches per round in every mode
     method = common.build_method(name, config, args.micro_batches * rounds_per_update, device=ctx.device)
-    next_batch = device_batches(config, 8, 1000 + ctx.rank, ctx.device)
+    next_batch = device_batches(config, 1000 + ctx.rank, ctx.device)
     cuda = ctx.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     for _ in range(3):  # warm-up: kernels, the lane thread, optimizer state

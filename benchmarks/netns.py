@@ -85,37 +85,21 @@ def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAU
 
 def torchrun_command(nproc: int, script_and_args: Sequence[str], port: int = MASTER_PORT) -> list[str]:
     """``torchrun`` for ``nproc`` ranks on one node, all on 127.0.0.1 (the namespace's loopback)."""
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(port),
-        *script_and_args,
-    ]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *script_and_args]
 
 
-def run_ranks(
-    nproc: int,
-    script_and_args: Sequence[str],
-    rate: str | None = None,
-    *,
-    burst: str = DEFAULT_BURST,
-    latency: str = DEFAULT_LATENCY,
-    env: dict[str, str] | None = None,
-    timeout: float | None = None,
-) -> int:
+def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = None, *, burst: str = DEFAULT_BURST,
+              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None, timeout: float | None = None) -> int:
     """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace.
 
     Returns torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the namespace's name)
     and ``ACCO_BENCH_RATE`` in their environment; gloo is pinned to the loopback device.
     """
     with namespace(rate, burst, latency) as name:
-        child_env = {
-            **os.environ,
-            **(env or {}),
-            "ACCO_BENCH_NETNS": name,
-            "ACCO_BENCH_RATE": rate or "unlimited",
-            "GLOO_SOCKET_IFNAME": "lo",  # the host name does not resolve to an address in the namespace
-        }
+        # GLOO_SOCKET_IFNAME: the host name does not resolve to an address in the namespace.
+        child_env = {**os.environ, **(env or {}), "ACCO_BENCH_NETNS": name, "ACCO_BENCH_RATE": rate or "unlimited",
+                     "GLOO_SOCKET_IFNAME": "lo"}
         command = ["ip", "netns", "exec", name, *torchrun_command(nproc, script_and_args)]
         process = subprocess.Popen(command, env=child_env, start_new_session=True)
         try:

@@ -5,16 +5,12 @@
     sudo $(which python) benchmarks/profile_lanes.py --trace acco     # + a torch.profiler trace in results/
     sudo $(which python) benchmarks/profile_lanes.py --quick          # unlimited only, 4 rounds, results/scratch/
 
-For every method it runs a few rounds and reads, on rank 0, the CPU time of every thread
-of the rank and the time it spent runnable but waiting for a core
-(``/proc/self/task/*/schedstat``): the compute lane (the main thread), acco's comm lane (a
-worker thread), gloo's I/O threads. That decides whether communication can hide behind
-compute on a CPU: when the ranks' compute threads already fill every core, each CPU-second
-the comm lane (or the kernel's loopback TCP, accounted to the sending and receiving
-threads) spends is a second the compute lane waits for its core. Per phase of acco's comm
-lane it gives the phase's wall time next to the lane thread's CPU time (``RoundStats``'s
-``phase_seconds`` and ``phase_cpu_seconds``: a phase waiting on the network costs wall time,
-not CPU).
+For every method, a few rounds in throughput.py's timed window, and rank 0's view of them:
+the CPU time and run-queue wait of each kind of thread (``throughput.thread_times``), and
+per phase of acco's comm lane its wall time next to the lane thread's CPU time
+(``RoundStats.phase_seconds`` and ``phase_cpu_seconds``: a phase that waits on the network
+costs wall time, not CPU). Then, alone on one thread, the CPU cost of each piece of work a
+round adds.
 """
 
 from __future__ import annotations
@@ -22,13 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import common
-from examples.train_gpt import Dist, loss_fn
+import throughput
+from examples.train_gpt import Dist
 
 import torch
 import torch.distributed as dist
@@ -36,7 +32,6 @@ import torch.distributed as dist
 __all__ = ["BENCHMARK", "blocks", "runtimes", "table"]
 
 PROFILE_METHODS = [n for n, s in common.METHODS.items() if s.family != "diloco"]
-COMPUTE_LANE, COMM_LANE, GLOO = "compute lane (main thread)", "acco comm lane (thread)", "gloo I/O threads"
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,73 +53,6 @@ def quick(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace) -> str | None:
     args.out = args.out or common.RESULTS_DIR / f"profile-{args.ranks}ranks.json"
     return None
-
-
-def thread_cpu() -> dict[int, tuple[str, float, float]]:
-    """Per thread of this process, by native thread id: its name, CPU seconds, and seconds
-    spent runnable but waiting for a core (the scheduler's run-queue delay)."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            on_cpu_ns, waiting_ns, _ = (int(v) for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split())
-        except (OSError, ValueError):
-            continue
-        out[int(tid)] = (name, on_cpu_ns / 1e9, waiting_ns / 1e9)
-    return out
-
-
-def thread_kind(tid: int, name: str, main_tid: int, lane_tids: set[int]) -> str:
-    if tid == main_tid:
-        return COMPUTE_LANE
-    if tid in lane_tids:
-        return COMM_LANE
-    return GLOO if name.startswith(("gloo", "pt_gloo")) else "other threads"
-
-
-def profile_method(name: str, args: argparse.Namespace, config: common.ModelConfig, next_batch: Any) -> dict[str, Any]:
-    method = common.build_method(name, config, args.micro_batches)
-    common.wait_for_quiet()
-    dist.barrier()
-    for _ in range(2 * method.rounds_per_update):
-        common.train_round(method, next_batch)
-    landed_before = len(method.round_stats())
-    dist.barrier()  # a global window (see throughput.py)
-    before, wall0, main_tid = thread_cpu(), time.perf_counter(), threading.get_native_id()
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.trace == name else None
-    if profiler is not None:
-        profiler.__enter__()
-    rounds = [common.train_round(method, next_batch) for _ in range(args.rounds)]
-    after = thread_cpu()
-    dist.barrier()
-    wall = time.perf_counter() - wall0
-    if profiler is not None:
-        profiler.__exit__(None, None, None)
-        profiler.export_chrome_trace(str(common.RESULTS_DIR / f"trace-{name}-{args.label}.json"))
-    lane_tids = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
-    stats = method.round_stats()[landed_before:]
-    method.finish()
-    cpu: dict[str, float] = {}
-    runqueue: dict[str, float] = {}
-    for tid, (thread_name, seconds, waited) in after.items():
-        _, seconds0, waited0 = before.get(tid, (thread_name, 0.0, 0.0))
-        kind = thread_kind(tid, thread_name, main_tid, lane_tids)
-        cpu[kind] = cpu.get(kind, 0.0) + (seconds - seconds0) / args.rounds
-        runqueue[kind] = runqueue.get(kind, 0.0) + (waited - waited0) / args.rounds
-    mean = statistics.fmean
-    return {
-        "round_wall_s": common.all_reduce([wall], "max")[0] / args.rounds,
-        "micro_batches_per_round": mean(len(r.losses) for r in rounds),
-        "micro_batch_wall_s": mean(t for r in rounds for t in r.micro_batch_s),
-        "micro_batch_cpu_s": mean(t for r in rounds for t in r.micro_batch_cpu_s),
-        "step_wall_s": mean(r.boundary_s for r in rounds),
-        "step_cpu_s": mean(r.boundary_cpu_s for r in rounds),
-        "thread_cpu_s_per_round": cpu,
-        "thread_runqueue_wait_s_per_round": runqueue,
-        "lane_phases": {p: {"wall_s": mean(s.phase_seconds.get(p, 0.0) for s in stats),
-                            "cpu_s": mean(s.phase_cpu_seconds.get(p, 0.0) for s in stats)}
-                        for p in dict.fromkeys(p for s in stats for p in s.phase_seconds)},
-    }
 
 
 def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
@@ -174,14 +102,17 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = common.ModelConfig()
     train_data, _ = common.training_text(config.seq_len)
     next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
-    warm = common.build_model(config)
-    for _ in range(2):  # warm the allocator and kernels up once, so the first method is not penalised
-        loss_fn(warm, *next_batch()).backward()
+    common.warm_up(config, next_batch)
     results = {}
     for name in args.methods:
-        results[name] = profile_method(name, args, config, next_batch)
+        method = common.build_method(name, config, args.micro_batches)
+        trace = common.RESULTS_DIR / f"trace-{name}-{args.label}.json" if args.trace == name else None
+        results[name] = r = throughput.run_method(method, next_batch, 2 * method.rounds_per_update, args.rounds, trace)
+        lane = r.pop("lane", {})
+        r["lane_phases"] = {p: {"wall_s": seconds, "cpu_s": lane["phase_cpu_s"].get(p, 0.0)}
+                            for p, seconds in lane.get("phase_s", {}).items()}
         if ctx.master:
-            print(f"[{args.label}] {name}: {results[name]['round_wall_s']:.3f} s per round", flush=True)
+            print(f"[{args.label}] {name}: {r['round_wall_s']:.3f} s per round", flush=True)
     costs = piece_costs(config, ctx.world_size) if ctx.master else {}
     dist.barrier()  # the other ranks wait while rank 0 times the pieces alone
     return {"ranks": ctx.world_size, "label": args.label, "rate": os.environ.get("ACCO_BENCH_RATE", "unlimited"),
@@ -214,8 +145,9 @@ def table(data: dict[str, Any]) -> str:
             rows.append([profile["label"], common.label(name), f"{p['round_wall_s'] * 1000:.0f}",
                          f"{p['micro_batches_per_round']:.1f}",
                          f"{p['micro_batch_wall_s'] * 1000:.0f} / {p['micro_batch_cpu_s'] * 1000:.0f}",
-                         f"{wait.get(COMPUTE_LANE, 0) * 1000:.0f}" if wait else "", f"{p['step_wall_s'] * 1000:.0f}",
-                         f"{cpu.get(COMM_LANE, 0) * 1000:.0f}", f"{cpu.get(GLOO, 0) * 1000:.0f}",
+                         f"{wait.get(throughput.COMPUTE_LANE, 0) * 1000:.0f}" if wait else "",
+                         f"{p['step_wall_s'] * 1000:.0f}",
+                         f"{cpu.get(throughput.COMM_LANE, 0) * 1000:.0f}", f"{cpu.get(throughput.GLOO, 0) * 1000:.0f}",
                          ", ".join(f"{k} {v['wall_s'] * 1000:.0f}/{v['cpu_s'] * 1000:.0f}"
                                    for k, v in common.phases(p["lane_phases"]).items())])
     text = (f"{data['ranks']} ranks, {data['micro_batches_per_update']} micro-batches per update, rank 0, per round:"

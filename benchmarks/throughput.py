@@ -28,6 +28,7 @@ import gc
 import math
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ import torch.distributed as dist
 __all__ = ["BENCHMARK", "blocks", "calibrate_rates", "runtimes", "targets"]
 
 RATE_LABELS = ("unlimited", "comm~compute", "comm~3x")
+COMPUTE_LANE, COMM_LANE, GLOO = "compute lane (main thread)", "acco comm lane (thread)", "gloo I/O threads"
 RATE_RATIOS = {"comm~compute": 1.0, "comm~3x": 3.0}
 THROUGHPUT_METHODS = [n for n, s in common.METHODS.items() if s.family != "diloco"]
 DEFAULT_METHODS = ["roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww", "acco-bf16",
@@ -53,7 +55,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to sweep")
     add("--rates", nargs="+", default=list(RATE_LABELS), choices=RATE_LABELS, help="rates to sweep")
     add("--methods", nargs="+", default=DEFAULT_METHODS, choices=THROUGHPUT_METHODS)
-    add("--micro-batches", type=int, default=4, help="micro-batches per rank per optimizer update (even)")
+    add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--warmup-updates", type=int, default=1)
     add("--updates", type=int, default=3, help="updates in the timed window")
     add("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
@@ -75,8 +77,6 @@ def check(args: argparse.Namespace) -> str | None:
             args.out = common.SCRATCH_DIR / "throughput-vs-baseline.json"
     if args.warmup_updates < 1 or args.updates < 1:
         return "--warmup-updates and --updates must be at least 1"
-    if args.micro_batches < 2 or args.micro_batches % 2:
-        return "--micro-batches must be even (acco splits an update into two rounds)"
     if args.baseline is not None and not (args.baseline / "acco" / "__init__.py").is_file():
         return f"--baseline {args.baseline}: no acco/__init__.py there"
     return None
@@ -85,34 +85,78 @@ def check(args: argparse.Namespace) -> str | None:
 # ------------------------------------------------------------------------------ rank side
 
 
-def run_method(method: common.Method, args: argparse.Namespace, next_batch: Any) -> dict[str, Any]:
-    """Warm-up, then the timed window's figures (every rank's micro-batches over the slowest window)."""
+def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, rounds: int,
+               trace: Path | None = None) -> dict[str, Any]:
+    """Warm-up, then ``rounds`` rounds in a window that opens and closes with a barrier at two
+    round boundaries (steady state: a pipeline's fill and drain happen once per training run).
+
+    Every rank's figures (samples/s over the slowest window), and rank 0's view of where the
+    time went, per round (profile_lanes.py's table): its micro-batches' and boundaries' wall
+    and CPU time, its threads' CPU time and run-queue waits; ``trace``: a torch.profiler trace.
+    """
     window = common.Window()
-    for _ in range(args.warmup_updates * method.rounds_per_update):
+    for _ in range(warmup_rounds):
         common.train_round(method, next_batch)
     landed_before = len(method.round_stats())
     # The window is global: it opens when every rank has reached this boundary (ranks
     # that share cores would otherwise each time a stretch where the others idle).
     dist.barrier()
     window.open()
-    rounds = [common.train_round(method, next_batch) for _ in range(args.updates * method.rounds_per_update)]
+    threads0 = thread_times()
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    profiler = torch.profiler.profile(activities=cpu) if trace else contextlib.nullcontext()
+    with profiler:
+        records = [common.train_round(method, next_batch) for _ in range(rounds)]
+        threads = {kind: [(a - b) / rounds for a, b in zip(times, threads0.get(kind, (0.0, 0.0)))]
+                   for kind, times in thread_times().items()}
+        dist.barrier()
+        measured = window.close()
+    if trace is not None:
+        profiler.export_chrome_trace(str(trace))
     lane = common.lane_summary(method.round_stats()[landed_before:])  # the rounds that landed in the window
-    dist.barrier()
-    measured = window.close()
     method.finish()
     (slowest,) = common.all_reduce([measured.pop("wall_s")], "max")
     micro_batches, compute_s, boundary_s = common.all_reduce(
-        [sum(len(r.losses) for r in rounds), sum(r.compute_s for r in rounds), sum(r.boundary_s for r in rounds)])
-    world, lo_bytes = dist.get_world_size(), measured.pop("lo_bytes")
+        [sum(len(r.losses) for r in records), sum(r.compute_s for r in records), sum(r.boundary_s for r in records)])
+    world, lo_bytes, updates = dist.get_world_size(), measured.pop("lo_bytes"), rounds / method.rounds_per_update
+    mean = statistics.fmean
     return {
         "samples_per_s": micro_batches * method.config.batch_size / slowest, "window_s": slowest,
-        "micro_batches_per_update": micro_batches / world / args.updates,
-        "compute_s_per_round": compute_s / world / len(rounds),
+        "micro_batches_per_update": micro_batches / world / updates,
+        "compute_s_per_round": compute_s / world / rounds,
         "compute_s_per_micro_batch": compute_s / max(micro_batches, 1),
-        "boundary_s_per_round": boundary_s / world / len(rounds),
-        "lo_bytes_per_update": None if lo_bytes is None else lo_bytes / args.updates,
-        **measured, **({"lane": lane} if lane else {}),
+        "boundary_s_per_round": boundary_s / world / rounds,
+        "lo_bytes_per_update": None if lo_bytes is None else lo_bytes / updates, **measured,
+        **({"lane": lane} if lane else {}),
+        "round_wall_s": slowest / rounds, "micro_batches_per_round": mean(len(r.losses) for r in records),
+        "micro_batch_wall_s": mean(t for r in records for t in r.micro_batch_s),
+        "micro_batch_cpu_s": mean(t for r in records for t in r.micro_batch_cpu_s),
+        "step_wall_s": mean(r.boundary_s for r in records), "step_cpu_s": mean(r.boundary_cpu_s for r in records),
+        "thread_cpu_s_per_round": {kind: t[0] for kind, t in threads.items()},
+        "thread_runqueue_wait_s_per_round": {kind: t[1] for kind, t in threads.items()},
     }
+
+
+def thread_times() -> dict[str, tuple[float, float]]:
+    """This process's threads by kind (the compute lane, acco's comm lane, gloo's I/O threads,
+    others): CPU seconds and seconds spent runnable but waiting for a core (the scheduler's
+    run-queue delay, ``/proc/self/task/*/schedstat``). On a CPU, whether communication hides
+    behind compute comes down to whether a core is free for it: when the ranks' compute
+    threads fill every core, each CPU-second the comm lane (or the kernel's loopback TCP,
+    accounted to the sending and receiving threads) spends is one the compute lane waits."""
+    lane = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
+    out: dict[str, tuple[float, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            on_cpu_ns, waiting_ns, _ = (int(v) for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split())
+        except (OSError, ValueError):
+            continue
+        kind = (COMPUTE_LANE if int(tid) == threading.get_native_id() else COMM_LANE if int(tid) in lane
+                else GLOO if name.startswith(("gloo", "pt_gloo")) else "other threads")
+        cpu, waited = out.get(kind, (0.0, 0.0))
+        out[kind] = (cpu + on_cpu_ns / 1e9, waited + waiting_ns / 1e9)
+    return out
 
 
 def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: Any) -> dict[str, Any]:
@@ -123,7 +167,7 @@ def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: 
     if not args.skip_compute:
         times = []
         dist.barrier()
-        for i in range(8):
+        for _ in range(8):
             x, y = next_batch()
             started = time.perf_counter()
             loss_fn(model, x, y).backward()
@@ -170,7 +214,9 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
                 with checkout.active() if checkout else contextlib.nullcontext():
                     acco_module = checkout.acco if checkout else None
                     method = common.build_method(name, config, args.micro_batches, acco_module=acco_module)
-                    runs[side][name].append(run_method(method, args, next_batch))
+                    rounds_per_update = method.rounds_per_update
+                    runs[side][name].append(run_method(method, next_batch, args.warmup_updates * rounds_per_update,
+                                                       args.updates * rounds_per_update))
                     del method
                     gc.collect()  # the method's model, optimizer and buffers go before the next one
                 if ctx.master:

@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from examples.train_gpt import Dist, eval_batches, evaluate
 import torch
 import torch.distributed as dist
 
-__all__ = ["BENCHMARK", "AgreedClock", "Clock", "WarmupConstant", "blocks", "runtimes", "summary", "targets"]
+__all__ = ["BENCHMARK", "AgreedClock", "blocks", "runtimes", "summary", "targets", "warmup_constant"]
 
 TTL_METHODS = [n for n, s in common.METHODS.items() if s.family != "roofline"]
 RATE_LABELS = ("comm~compute", "comm~3x")
@@ -62,7 +63,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
     add("--eval-every", type=float, default=None, help="seconds between evaluations (default: budget / 8)")
     add("--eval-batches", type=int, default=32)
-    add("--micro-batches", type=int, default=4, help="micro-batches per rank per optimizer update (even)")
+    add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=10, help="optimizer updates (DiLoCo: inner steps) of linear warm-up")
     add("--grad-clip", type=float, default=1.0, help="0: off")
@@ -84,8 +85,6 @@ def check(args: argparse.Namespace) -> str | None:
     args.eval_every = args.eval_every or args.budget / 8
     if args.diloco == "auto":
         args.diloco = "torchft" if torchft_version() is not None else "plain"
-    if args.micro_batches < 2 or args.micro_batches % 2:
-        return "--micro-batches must be even (acco splits an update into two rounds)"
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
     if args.rates is not None and len(args.rates) > len(RATE_LABELS):
@@ -99,34 +98,17 @@ def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
     return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
 
 
-class WarmupConstant:
+def warmup_constant(warmup: int) -> Callable[[int], float]:
     """LambdaLR factor: linear warm-up over ``warmup`` updates, then the peak, constant."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-
-    def __call__(self, update: int) -> float:
-        return min(1.0, (update + 1) / (self.warmup + 1))
+    return lambda update: min(1.0, (update + 1) / (warmup + 1))
 
 
 # ------------------------------------------------------------------------------ rank side
 
 
-class Clock:
-    """Training seconds since it was made, with pauses left out."""
-
-    def __init__(self) -> None:
-        self._start, self._paused = time.perf_counter(), 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._start - self._paused
-
-    def pause(self, seconds: float) -> None:
-        self._paused += seconds
-
-
 class AgreedClock:
-    """The ranks' clocks, agreed one round late without blocking.
+    """Training seconds since it was made, pauses left out; and the ranks' clocks, agreed one
+    round late without blocking.
 
     At every round boundary each rank starts a non-blocking all-reduce (MAX) of its clock on
     the default group, never on acco's lane, and reads the one it started at the previous
@@ -136,9 +118,16 @@ class AgreedClock:
     """
 
     def __init__(self) -> None:
+        self._start, self._paused = time.perf_counter(), 0.0
         self._value = torch.zeros(1, dtype=torch.float64)
         self._work: Any = None
         self.previous = 0.0  # the agreed clock one boundary earlier (every clock starts after a barrier)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start - self._paused
+
+    def pause(self, seconds: float) -> None:
+        self._paused += seconds
 
     def budget_reached(self, agreed: float | None, budget: float) -> bool:
         """Whether this boundary ends the budget: the first boundary whose clock is expected
@@ -173,17 +162,17 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     setup_started = time.perf_counter()
     try:
         method = common.build_method(name, config, args.micro_batches, diloco=args.diloco,
-                              schedule=WarmupConstant(args.warmup))
+                                     schedule=warmup_constant(args.warmup))
     except common.UnsupportedMethod as error:
         return {"method": name, "skipped": str(error)}
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, WarmupConstant(args.warmup)) if method.opt else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, warmup_constant(args.warmup)) if method.opt else None
     next_batch = common.batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
     params = list(method.module.parameters())
     setup_s = time.perf_counter() - setup_started
-    window, agreed_clock = common.Window(args.max_quiet_wait), AgreedClock()
+    window = common.Window(args.max_quiet_wait)
     window.open()
-    clock = Clock()
+    clock = AgreedClock()
     snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     computed = rounds = counted = 0
     next_eval, due, last_commit = args.eval_every, False, 0.0
@@ -202,8 +191,8 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             counted, last_commit = counted + 1, now
             if scheduler is not None:
                 scheduler.step()
-        agreed = agreed_clock.exchange(now)
-        if agreed_clock.budget_reached(agreed, args.budget):
+        agreed = clock.exchange(now)
+        if clock.budget_reached(agreed, args.budget):
             break
         if agreed is not None and agreed >= next_eval:  # due at the next committed boundary
             due, next_eval = True, (math.floor(agreed / args.eval_every) + 1) * args.eval_every
@@ -211,7 +200,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             snapshot(now)
             due = False
     stopped_s = clock.elapsed()
-    agreed_clock.close()
+    clock.close()
     if method.finish():  # acco, dpu: the update in flight lands, on the clock
         counted, last_commit = counted + 1, clock.elapsed()
     end_s, measured = clock.elapsed(), window.close()
@@ -308,8 +297,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
             run_started = time.perf_counter()
-            run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}", rate=rate,
-                            netns=True)
+            run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
+                                   rate=rate, netns=True)
             run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
