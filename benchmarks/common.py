@@ -63,8 +63,8 @@ __all__ = [
     "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
     "build_model", "describe", "even", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
     "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
-    "read_json", "rotated", "run_ranks", "save_figure", "train_round", "training_text", "wait_for_quiet", "warm_up",
-    "write_json",
+    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "wait_for_quiet",
+    "warm_up", "write_json",
 ]
 
 
@@ -611,12 +611,13 @@ class Benchmark:
     """One benchmark's arguments, what each rank of one launch does, and the driver's sweep.
 
     Attributes:
-        name: results go to ``results/NAME.json`` (``--quick``: ``results/scratch/``).
+        name: results go to ``results/NAME.json`` (``--quick``: ``results/scratch/``), or
+            to ``results/`` + ``stem`` formatted with the arguments (``"profile-{ranks}ranks"``).
         doc: the module docstring; its first paragraph is the ``--help`` description.
         arguments: adds the benchmark's own options to the parser.
         rank: one launch's work, on every rank; rank 0's return value is its JSON.
         sweep: the driver: launches ranks with :func:`run_ranks`, returns the results
-            (it may write ``args.out`` as it goes, so a long sweep keeps what it has);
+            (it may :func:`save` them as it goes, so a long sweep keeps what it has);
             default: one launch of ``args.ranks`` ranks under plain ``torchrun``.
         quick: what ``--quick`` (a smoke run of a few minutes) changes in the arguments.
         check: returns what is wrong with the parsed arguments, or None.
@@ -629,21 +630,27 @@ class Benchmark:
     sweep: Callable[[argparse.Namespace], dict[str, Any]] | None = None
     quick: Callable[[argparse.Namespace], None] = lambda args: None
     check: Callable[[argparse.Namespace], str | None] = lambda args: None
+    stem: str = ""
 
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser = argparse.ArgumentParser(description=self.doc.split("\n\n")[0])
         self.arguments(parser)
         add = parser.add_argument
-        add("--out", type=Path, default=None, help=f"JSON output (default: benchmarks/results/{self.name}.json)")
+        stem = self.stem or self.name
+        add("--out", type=Path, default=None, help=f"JSON output (default: benchmarks/results/{stem}.json)")
         add("--no-report", action="store_true", help="do not regenerate the README tables and plots")
         add("--quick", action="store_true", help="a short smoke run, into results/scratch/ (no report)")
         add("--label", default=None, help=argparse.SUPPRESS)  # names a rank launch in its output
         args = parser.parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # forwarded to the ranks
         args.script = Path(sys.modules[self.rank.__module__].__file__).resolve()
+        args.benchmark = self.name
         if args.quick:
             self.quick(args)
-            args.no_report, args.out = True, args.out or SCRATCH_DIR / f"{self.name}.json"
+            args.no_report = True
+        args.stem = (self.stem or self.name).format(**vars(args))
+        if args.out is None and "RANK" not in os.environ:
+            args.out = (SCRATCH_DIR if args.quick else RESULTS_DIR) / f"{args.stem}.json"
         problem = self.check(args)
         if problem:
             parser.error(problem)
@@ -657,16 +664,14 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
         ctx = setup_distributed(getattr(args, "device", "cpu"), "gloo", datetime.timedelta(minutes=10))
         result = benchmark.rank(args, ctx)
         if ctx.master:
-            write_json(args.out or RESULTS_DIR / f"{benchmark.name}-torchrun.json", result)
+            write_json(args.out or RESULTS_DIR / f"{args.stem}-torchrun.json", result)
         dist.barrier()
         dist.destroy_process_group()
         return
-    args.out = args.out or RESULTS_DIR / f"{benchmark.name}.json"
     started = time.perf_counter()
-    results = {"benchmark": benchmark.name, "machine": machine(),
-               **(benchmark.sweep(args) if benchmark.sweep else run_ranks(args, args.ranks))}
+    results = benchmark.sweep(args) if benchmark.sweep else run_ranks(args, args.ranks)
     results.setdefault("runtime_s", time.perf_counter() - started)  # a merged sweep keeps its own
-    write_json(args.out, results)
+    save(args, results)
     print(f"wrote {args.out} ({minutes(results['runtime_s'])})")
     if not args.no_report:
         import report
@@ -703,6 +708,11 @@ def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | Non
 
 
 # ----------------------------------------------------------------------- files, tables, plots
+
+
+def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The driver's results, with the benchmark's name and the machine, to ``args.out``."""
+    write_json(args.out, {"benchmark": args.benchmark, "machine": machine(), **results})
 
 
 def write_json(path: Path, data: Any) -> None:

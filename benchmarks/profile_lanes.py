@@ -50,11 +50,6 @@ def quick(args: argparse.Namespace) -> None:
     args.rate, args.rounds = args.rate or ["unlimited"], 4
 
 
-def check(args: argparse.Namespace) -> str | None:
-    args.out = args.out or common.RESULTS_DIR / f"profile-{args.ranks}ranks.json"
-    return None
-
-
 def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
     """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
     alone (this rank only, the others wait): what each would cost the compute lane when
@@ -171,7 +166,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
             for s in ("profile-2ranks", "profile-4ranks") if s in results]
 
 
-BENCHMARK = common.Benchmark("profile_lanes", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("profile", __doc__, arguments, rank, sweep, quick, stem="profile-{ranks}ranks")
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

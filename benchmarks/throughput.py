@@ -73,7 +73,7 @@ def check(args: argparse.Namespace) -> str | None:
     args.repeats = args.repeats or 3
     if args.baseline is not None:  # an A/B run is printed, not a README figure
         args.no_report = True
-        if args.out in (None, common.SCRATCH_DIR / "throughput.json"):
+        if "--out" not in args.argv:
             args.out = common.SCRATCH_DIR / "throughput-vs-baseline.json"
     if args.warmup_updates < 1 or args.updates < 1:
         return "--warmup-updates and --updates must be at least 1"
@@ -220,7 +220,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
                     del method
                     gc.collect()  # the method's model, optimizer and buffers go before the next one
                 if ctx.master:
-                    print(f"[{args.label}] repeat {repeat} {name:10s} {side:8s} "
+                    print(f"[{args.label}] repeat {repeat} {name:10s}" + (f" {side:8s}" if args.baseline else "") + " "
                           f"{runs[side][name][-1]['samples_per_s']:7.2f} samples/s "
                           f"({time.perf_counter() - started:.1f} s)", flush=True)
     result = summarise(runs["this"])
@@ -318,7 +318,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             run.update(label=name, rate=rate or "unlimited", runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            common.write_json(args.out, results)  # after every run, so a long sweep keeps what it has
+            common.save(args, results)  # after every run, so a long sweep keeps what it has
             if args.baseline is not None:
                 print(baseline_table(run))
     return results

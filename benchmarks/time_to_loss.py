@@ -302,7 +302,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            common.write_json(args.out, results)  # after every launch, so a long sweep keeps what it has
+            common.save(args, results)  # after every launch, so a long sweep keeps what it has
     results["summary"] = summary(results)
     print(table(results))
     return results
