@@ -10,9 +10,12 @@ whole optimizer.
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import common
@@ -20,8 +23,6 @@ from examples.train_gpt import Dist
 
 import torch
 import torch.distributed as dist
-
-import acco.sharding
 
 __all__ = ["BENCHMARK"]
 
@@ -37,10 +38,20 @@ def quick(args: argparse.Namespace) -> None:
     args.sizes, args.repeats = [1.0], 3
 
 
+def collectives(load: Callable[[str], ModuleType]) -> type:
+    """A checkout's ``Collectives``: in ``acco.collectives``, or ``acco.sharding`` before the package split."""
+    for name in ("acco.collectives", "acco.sharding"):
+        try:
+            return load(name).Collectives
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("no acco.collectives.Collectives nor acco.sharding.Collectives")
+
+
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     torch.set_num_threads(1)
-    old = common.Checkout(args.baseline).module("acco.sharding").Collectives(dist.new_group())
-    new = acco.sharding.Collectives(dist.new_group())
+    old = collectives(common.Checkout(args.baseline).module)(dist.new_group())
+    new = collectives(importlib.import_module)(dist.new_group())
     results = []
     for millions in args.sizes:
         chunk = -(-int(millions * 1e6) // ctx.world_size)
