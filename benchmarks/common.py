@@ -1,34 +1,43 @@
-"""What the benchmarks share: the example's model and data, the training methods compared,
-and how ranks are launched.
+"""What every benchmark shares: one method registry, one round loop, one entry point.
 
 The model, the corpus and the loss come from ``examples/train_gpt.py`` (imported, not
-copied). Every method is driven by the same loop through :class:`Method`: micro-batches,
-then ``end_round()`` at each round boundary, so the only thing that differs between two
-methods in a benchmark is the optimizer and its communication.
+copied). Every method in :data:`METHODS` is built by :func:`build_method` and trained by
+:func:`train_round`, one round at a time (micro-batches, then the round boundary), so the
+only thing that differs between two methods in a benchmark is the optimizer and its
+communication. Every benchmark module declares a :class:`Benchmark` and runs :func:`main`:
+the driver launches ranks (under plain ``torchrun`` or behind the rate-limited namespace of
+``netns.py``) and the same file, started by ``torchrun``, is the rank entry point. Each
+module owns the tables and plots of its results; ``report.py`` only puts them together.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
+import importlib
 import json
 import os
+import platform
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))  # for `examples.train_gpt`
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
+SCRATCH_DIR = RESULTS_DIR / "scratch"  # smoke runs and A/B runs: the report never reads them
+for _path in (REPO_ROOT, BENCH_DIR):  # `examples.train_gpt`, and the benchmarks as modules
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -36,11 +45,11 @@ from torch import Tensor, nn  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from acco import AccoOptimizer  # noqa: E402
+import acco  # noqa: E402
 from examples.train_gpt import (  # noqa: E402
     GPT,
-    GPTConfig,
     Dist,
+    GPTConfig,
     load_corpus,
     loss_fn,
     param_groups,
@@ -50,35 +59,91 @@ from examples.train_gpt import (  # noqa: E402
 )
 
 __all__ = [
-    "ACCO_METHODS",
-    "BASELINES",
-    "METHODS",
-    "ModelConfig",
-    "Method",
-    "build_method",
-    "launch",
-    "lo_tx_bytes",
-    "start_ranks",
+    "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
+    "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
+    "build_model", "describe", "even", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
+    "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
+    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "wait_for_quiet",
+    "warm_up", "write_json",
 ]
 
-# Every method the benchmarks know, in the order tables list them.
-METHODS = ("roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww", "acco-bf16", "acco-fp8")
-BASELINES = ("roofline", "ddp-zero1", "ddp-adamw")
-ACCO_METHODS = {"acco-sync": "sync", "acco-dpu": "dpu", "acco": "acco", "acco-aww": "acco", "acco-bf16": "acco",
-                "acco-fp8": "acco"}
-# acco with the light estimate round (AccoOptimizer's estimate_dtype=).
-ESTIMATE_DTYPES = {"acco-bf16": torch.bfloat16, "acco-fp8": torch.float8_e4m3fn}
-LABELS = {
-    "roofline": "compute only (roofline)",
-    "ddp-zero1": "DDP + ZeroRedundancyOptimizer (ZeRO-1)",
-    "ddp-adamw": "DDP + AdamW",
-    "acco-sync": "acco, mode sync",
-    "acco-dpu": "acco, mode dpu",
-    "acco": "acco, mode acco",
-    "acco-aww": "acco, accumulate while communicating",
-    "acco-bf16": "acco, mode acco, bf16 estimate round",
-    "acco-fp8": "acco, mode acco, float8 estimate round",
+
+# ------------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method name means, once for every benchmark, table and plot."""
+
+    label: str
+    colour: str
+    line: str = "-"  # line style in plots: what travels in the estimate round
+    family: str = "acco"  # roofline, ddp, acco or diloco: which class trains it
+    mode: str | None = None  # AccoOptimizer's mode
+    estimate_dtype: torch.dtype | None = None  # acco's light estimate round
+    ready_loop: bool = False  # keep computing micro-batches while the round in flight has not landed
+
+
+_BF16, _FP8 = torch.bfloat16, torch.float8_e4m3fn
+# Every method, in the order tables and plots list them.
+METHODS: dict[str, MethodSpec] = {
+    "roofline": MethodSpec("compute only (roofline)", "0.3", ":", family="roofline"),
+    "ddp-zero1": MethodSpec("DDP + ZeRO-1 (ZeroRedundancyOptimizer)", "black", family="ddp"),
+    "ddp-adamw": MethodSpec("DDP + AdamW", "0.55", family="ddp"),
+    "acco-sync": MethodSpec("acco `sync`", "C0", mode="sync"),
+    "acco-dpu": MethodSpec("acco `dpu`", "C1", mode="dpu"),
+    "acco": MethodSpec("acco `acco`", "C3", mode="acco"),
+    "acco-bf16": MethodSpec("acco `acco`, bf16 estimate", "C3", "--", mode="acco", estimate_dtype=_BF16),
+    "acco-fp8": MethodSpec("acco `acco`, fp8 (e4m3) estimate", "C3", ":", mode="acco", estimate_dtype=_FP8),
+    "acco-aww": MethodSpec("acco `acco`, `ready()` loop", "C2", mode="acco", ready_loop=True),
+    "acco-aww-bf16": MethodSpec("acco `acco`, `ready()` loop, bf16 estimate", "C2", "--", mode="acco",
+                                estimate_dtype=_BF16, ready_loop=True),
+    "acco-aww-fp8": MethodSpec("acco `acco`, `ready()` loop, fp8 (e4m3) estimate", "C2", ":", mode="acco",
+                               estimate_dtype=_FP8, ready_loop=True),
+    "diloco-h10": MethodSpec("DiLoCo, H = 10", "C4", family="diloco"),
+    "diloco-h50": MethodSpec("DiLoCo, H = 50", "C5", family="diloco"),
 }
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registry's entry; any ``diloco-hN`` (DiLoCo synchronising every N inner steps) too.
+
+    Raises:
+        ValueError: an unknown name (argparse's ``type=`` turns it into a usage error).
+    """
+    if name in METHODS:
+        return METHODS[name]
+    every = name.removeprefix("diloco-h")
+    if name.startswith("diloco-h") and every.isdigit() and int(every) >= 1:
+        return MethodSpec(f"DiLoCo, H = {every}", "C6", family="diloco")
+    raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)}, or diloco-hN)")
+
+
+def method_name(name: str) -> str:
+    """argparse ``type=`` for a method name."""
+    try:
+        method_spec(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return name
+
+
+def even(text: str) -> int:
+    """argparse ``type=`` for micro-batches per update: acco splits an update into two rounds."""
+    if not text.isdigit() or int(text) < 2 or int(text) % 2:
+        raise argparse.ArgumentTypeError(f"must be even and at least 2 (acco splits an update into two rounds): {text}")
+    return int(text)
+
+
+def label(name: str) -> str:
+    """How tables name a method (a name the registry does not know, as it is)."""
+    try:
+        return method_spec(name).label
+    except ValueError:
+        return name
+
+
+# ------------------------------------------------------------------------------ methods
 
 
 @dataclass(frozen=True)
@@ -103,28 +168,65 @@ class ModelConfig:
         return asdict(self)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype | None = None) -> GPT:
+def model_arguments(parser: argparse.ArgumentParser, defaults: ModelConfig) -> None:
+    """The model's size options, with a benchmark's own defaults."""
+    for field_name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size"):
+        parser.add_argument("--" + field_name.replace("_", "-"), type=int, default=getattr(defaults, field_name))
+
+
+def model_config(args: argparse.Namespace, **settings: Any) -> ModelConfig:
+    """The model the size options ask for, with ``settings`` (lr, seed...) for the rest."""
+    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
+                       batch_size=args.batch_size, **settings)
+
+
+def describe(config: dict[str, Any], parameters: float) -> str:
+    """How tables introduce the model."""
+    return (f"GPT of {parameters / 1e6:.2f}M parameters ({config['n_layer']} layers, width {config['n_embd']}, seq "
+            f"{config['seq_len']}, micro-batch {config['batch_size']})")
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | None = None) -> GPT:
     torch.manual_seed(config.seed)  # the same initial model in every method and on every rank
-    model = GPT(config.gpt())
-    return model if dtype is None else model.to(dtype)
+    return GPT(config.gpt()).to(device=device, dtype=dtype)
+
+
+class UnsupportedMethod(RuntimeError):
+    """This method cannot run with the installed library; a benchmark records why and goes on."""
 
 
 class Method:
-    """One way of training, driven round by round.
+    """One way of training, driven round by round by :func:`train_round`.
 
-    ``micro_batch()`` computes one micro-batch's gradients; ``end_round()`` is the round
-    boundary (returns True when the model now holds newly committed parameters);
-    ``ready()`` says whether ``end_round()`` would return without waiting for the network.
-    One optimizer update is ``rounds_per_update`` rounds of ``micro_batches_per_round``.
+    ``backward()`` computes one micro-batch's gradients, ``fold()`` hands them to the
+    optimizer, ``end_round()`` is the round boundary (True when the model now holds newly
+    committed parameters) and ``ready()`` says whether it would return without waiting for
+    the network. One optimizer update is ``rounds_per_update`` rounds of
+    ``micro_batches_per_round``.
     """
 
-    name: str
-    model: nn.Module
+    opt: Any = None
     rounds_per_update: int = 1
-    micro_batches_per_round: int
 
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        raise NotImplementedError
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module) -> None:
+        self.name, self.spec, self.config = name, method_spec(name), config
+        self.model = model
+        self.micro_batches_per_update = micro_batches_per_update
+        self.micro_batches_per_round = micro_batches_per_update // self.rounds_per_update
+        self.loss_scale = 1.0 / self.micro_batches_per_round  # p.grad sums the round's mean gradient
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without its DDP wrapper."""
+        return getattr(self.model, "module", self.model)
+
+    def backward(self, x: Tensor, y: Tensor) -> Tensor:
+        loss = loss_fn(self.model, x, y)
+        (loss * self.loss_scale).backward()
+        return loss.detach()
+
+    def fold(self) -> None:
+        pass
 
     def end_round(self) -> bool:
         raise NotImplementedError
@@ -135,26 +237,26 @@ class Method:
     def finish(self) -> bool:
         return False
 
-    def optimizer(self) -> Any:
-        return None
+    def close(self) -> None:
+        pass
+
+    def round_stats(self) -> list[Any]:
+        return []
+
+    def committed_updates(self, counted: int) -> int:
+        """Optimizer updates in the committed parameters, given those ``end_round()`` counted."""
+        return counted
+
+    def committed_micro_batches(self, counted: int) -> float:
+        """Micro-batches of every rank whose gradients are in the committed parameters."""
+        return counted * self.micro_batches_per_update * dist.get_world_size()
 
 
 class Roofline(Method):
     """Forward and backward only, gradients summed in ``p.grad``: no optimizer, no network."""
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int) -> None:
-        self.name = "roofline"
-        self.model = build_model(config)
-        self.micro_batches_per_round = micro_batches_per_update
-        self._params = list(self.model.parameters())
-
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        loss = loss_fn(self.model, x, y)
-        (loss / self.micro_batches_per_round).backward()
-        return loss.detach()
-
     def end_round(self) -> bool:
-        for p in self._params:
+        for p in self.model.parameters():
             p.grad = None
         return True
 
@@ -163,70 +265,58 @@ class DDPMethod(Method):
     """DDP (gradients all-reduced in the last micro-batch's backward, ``no_sync`` before)
     with AdamW on every rank, or with ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, zero: bool,
-                 dtype: torch.dtype | None = None, bucket_view: bool = False) -> None:
-        self.name = "ddp-zero1" if zero else "ddp-adamw"
-        # bucket_view: p.grad are views of DDP's buckets (gradient_as_bucket_view=True), the
-        # lean setting: no separate copy of the gradients.
-        self.model = DDP(build_model(config, dtype), gradient_as_bucket_view=bucket_view)
-        self.micro_batches_per_round = micro_batches_per_update
-        self.max_grad_norm = config.max_grad_norm
-        groups = param_groups(self.model.module, config.weight_decay)
-        hyper = {"lr": config.lr, "betas": config.betas}
-        if zero:
-            self.opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-                groups, optimizer_class=torch.optim.AdamW, **hyper
-            )
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 bucket_view: bool) -> None:
+        # bucket_view: p.grad are views of DDP's buckets, the lean setting (no second copy).
+        super().__init__(name, config, micro_batches_per_update, DDP(model, gradient_as_bucket_view=bucket_view))
+        groups = param_groups(model, config.weight_decay)
+        if name == "ddp-zero1":
+            self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=config.lr,
+                                               betas=config.betas)
         else:
-            self.opt = torch.optim.AdamW(groups, **hyper)
-        self._count = 0
+            self.opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+        self._backwards = 0
 
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        self._count += 1
-        last = self._count % self.micro_batches_per_round == 0
+    def backward(self, x: Tensor, y: Tensor) -> Tensor:
+        self._backwards += 1
+        last = self._backwards % self.micro_batches_per_round == 0
         with contextlib.nullcontext() if last else self.model.no_sync():
-            loss = loss_fn(self.model, x, y)
-            (loss / self.micro_batches_per_round).backward()
-        return loss.detach()
+            return super().backward(x, y)
 
     def end_round(self) -> bool:
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return True
 
-    def optimizer(self) -> Any:
-        return self.opt
-
 
 class AccoMethod(Method):
-    """``AccoOptimizer`` in one of its modes; acco's update spans two rounds of half the
-    micro-batches, so every method does the same micro-batches per update."""
+    """``AccoOptimizer`` (this checkout's, or another's: ``acco_module``) in one of its modes;
+    acco's update spans two rounds of half the micro-batches, so every method computes the
+    same micro-batches per update."""
 
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int,
-                 dtype: torch.dtype | None = None) -> None:
-        mode = ACCO_METHODS[name]
-        self.name = name
-        self.model = build_model(config, dtype)
-        self.rounds_per_update = 2 if mode == "acco" else 1
-        self.micro_batches_per_round = micro_batches_per_update // self.rounds_per_update
-        self.opt = AccoOptimizer(
-            param_groups(self.model, config.weight_decay),
-            torch.optim.AdamW,
-            mode=mode,
-            lr=config.lr,
-            betas=config.betas,
-            max_grad_norm=config.max_grad_norm,
-            timeout=datetime.timedelta(minutes=5),
-            estimate_dtype=ESTIMATE_DTYPES.get(name),
-        )
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 acco_module: ModuleType) -> None:
+        spec = method_spec(name)
+        self.rounds_per_update = 2 if spec.mode == "acco" else 1
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
+        # Only when asked, so that checkouts from before the light estimate round run the rest.
+        light = {"estimate_dtype": spec.estimate_dtype} if spec.estimate_dtype is not None else {}
+        try:
+            self.opt = acco_module.AccoOptimizer(
+                param_groups(model, config.weight_decay), torch.optim.AdamW, mode=spec.mode, lr=config.lr,
+                betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **light)
+        except (TypeError, ValueError) as error:
+            if not light:
+                raise
+            # acco checks its arguments before any collective, so every rank refuses alike.
+            raise UnsupportedMethod(f"{name}: AccoOptimizer(estimate_dtype={spec.estimate_dtype}) refused: "
+                                    f"{error}") from error
 
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        loss = loss_fn(self.model, x, y)
-        loss.backward()
+    def fold(self) -> None:
         self.opt.accumulate()
-        return loss.detach()
 
     def end_round(self) -> bool:
         return self.opt.step()
@@ -237,34 +327,125 @@ class AccoMethod(Method):
     def finish(self) -> bool:
         return self.opt.finish()
 
-    def optimizer(self) -> Any:
-        return self.opt
+    def round_stats(self) -> list[Any]:
+        return list(self.opt.round_stats)
+
+    def committed_updates(self, counted: int) -> int:
+        return self.opt.num_updates
+
+    def committed_micro_batches(self, counted: int) -> float:
+        return self.opt.committed_weight  # weight 1 per micro-batch, every rank
 
 
-def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *,
-                 dtype: torch.dtype | None = None, bucket_view: bool = False) -> Method:
-    """``dtype``: the parameters' dtype (default fp32); ``bucket_view``: DDP's
-    ``gradient_as_bucket_view`` (DDP methods only)."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})")
-    if name == "roofline":
-        return Roofline(config, micro_batches_per_update)
-    if name in ("ddp-zero1", "ddp-adamw"):
-        return DDPMethod(config, micro_batches_per_update, zero=name == "ddp-zero1", dtype=dtype,
-                         bucket_view=bucket_view)
-    if micro_batches_per_update % 2 and ACCO_METHODS[name] == "acco":
+def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
+                 diloco: str = "plain", schedule: Callable[[int], float] | None = None) -> Method:
+    """A fresh model (the same initial parameters every time) and ``name``'s optimizer.
+
+    Args:
+        dtype / device: the parameters' dtype (default fp32) and device (default CPU).
+        bucket_view: DDP's ``gradient_as_bucket_view`` (DDP methods only).
+        acco_module: the ``acco`` package to take ``AccoOptimizer`` from (another
+            checkout's, see :class:`Checkout`); default this checkout's.
+        diloco / schedule: DiLoCo's implementation (``plain`` or ``torchft``) and the inner
+            learning-rate factor per inner step (DiLoCo only).
+
+    Raises:
+        ValueError: an unknown name, or an odd number of micro-batches for acco's two rounds.
+        UnsupportedMethod: the installed acco refuses this method's arguments.
+    """
+    spec = method_spec(name)
+    if spec.mode == "acco" and micro_batches_per_update % 2:
         raise ValueError(f"{name}: micro-batches per update must be even, got {micro_batches_per_update}")
-    return AccoMethod(name, config, micro_batches_per_update, dtype)
+    model = build_model(config, dtype, device)
+    if spec.family == "roofline":
+        return Roofline(name, config, micro_batches_per_update, model)
+    if spec.family == "ddp":
+        return DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
+    if spec.family == "diloco":
+        from diloco import DiLoCoMethod, TorchftDiLoCoMethod
+
+        cls = TorchftDiLoCoMethod if diloco == "torchft" else DiLoCoMethod
+        return cls(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
+    return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
 
 
-# ------------------------------------------------------------------------- ranks and data
+# ----------------------------------------------------------------------- the round loop
 
 
-def start_ranks(timeout_s: float = 600) -> Dist:
-    """Join the torchrun process group (one torch thread per rank when ranks share cores)."""
-    if "RANK" not in os.environ:
-        raise SystemExit("this is a rank's entry point: start it with torchrun (or let the driver do it)")
-    return setup_distributed("cpu", None, datetime.timedelta(seconds=timeout_s))
+@dataclass
+class RoundRecord:
+    """What one round did on this rank, as the training thread saw it."""
+
+    batches: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    losses: list[Tensor] = field(default_factory=list)
+    micro_batch_s: list[float] = field(default_factory=list)  # wall seconds of each micro-batch
+    micro_batch_cpu_s: list[float] = field(default_factory=list)  # the training thread's CPU seconds
+    compute_s: float = 0.0  # from the round's start to its boundary
+    landed: bool = True  # the round in flight had landed when the boundary came
+    boundary_s: float = 0.0  # wall seconds in end_round()
+    boundary_cpu_s: float = 0.0
+    committed: bool = False
+
+
+def train_round(method: Method, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
+                after_backward: Callable[[int], None] | None = None,
+                before_boundary: Callable[[RoundRecord], None] | None = None) -> RoundRecord:
+    """One round of ``method``: its micro-batches, then the round boundary.
+
+    A method with the ``ready()`` loop keeps computing micro-batches while the round in
+    flight has not landed (the README's loop, which ends on the same round on every rank).
+    ``after_backward(i)`` runs between micro-batch ``i``'s backward and its fold;
+    ``before_boundary`` right before ``end_round()``.
+    """
+    record = RoundRecord()
+    started = time.perf_counter()
+    while len(record.losses) < method.micro_batches_per_round or (method.spec.ready_loop and not method.ready()):
+        x, y = next_batch()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        loss = method.backward(x, y)
+        if after_backward is not None:
+            after_backward(len(record.losses))
+        method.fold()
+        record.micro_batch_s.append(time.perf_counter() - wall)
+        record.micro_batch_cpu_s.append(time.thread_time() - cpu)
+        record.batches.append((x, y))
+        record.losses.append(loss)
+    record.compute_s = time.perf_counter() - started
+    if before_boundary is not None:
+        before_boundary(record)
+    record.landed = method.ready()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    record.committed = method.end_round()
+    record.boundary_s, record.boundary_cpu_s = time.perf_counter() - wall, time.thread_time() - cpu
+    return record
+
+
+PHASE_RENAMES = {"weights": "totals"}  # results measured before the lane phase was renamed
+
+
+def phases(seconds: dict[str, Any]) -> dict[str, Any]:
+    """A per-phase dict from any results file, under today's phase names."""
+    return {PHASE_RENAMES.get(name, name): value for name, value in seconds.items()}
+
+
+def lane_summary(stats: Sequence[Any], average: Callable[[Any], float] = statistics.fmean) -> dict[str, Any]:
+    """What the comm lane did in these rounds (acco's ``RoundStats``), averaged."""
+    if not stats:
+        return {}
+    names = dict.fromkeys(p for s in stats for p in s.phase_seconds)
+    return {
+        "rounds": len(stats),
+        "lane_s": average([s.lane_seconds for s in stats]),
+        "wait_s": average([s.wait_seconds for s in stats]),
+        "hidden_share": average([s.hidden_share for s in stats]),
+        "phase_s": {p: average([s.phase_seconds.get(p, 0.0) for s in stats]) for p in names},
+        # CPU time of the lane's thread (checkouts from before RoundStats.phase_cpu_seconds: none)
+        "phase_cpu_s": {p: average([getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats]) for p in names},
+    }
+
+
+# ----------------------------------------------------------------------- ranks and data
 
 
 def training_text(seq_len: int) -> tuple[Tensor, Tensor]:
@@ -275,6 +456,21 @@ def training_text(seq_len: int) -> tuple[Tensor, Tensor]:
 def batches(data: Tensor, config: ModelConfig, seed: int) -> Callable[[], tuple[Tensor, Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return lambda: sample_batch(data, config.batch_size, config.seq_len, generator)
+
+
+def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]) -> None:
+    """A few backwards before the first method, so that it does not pay for the allocator's
+    and the kernels' first use."""
+    model = build_model(config)
+    for _ in range(2):
+        loss_fn(model, *next_batch()).backward()
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` from position ``shift`` on, then the rest: repeat r runs the methods in a
+    rotated order, so that no method is always first after the warm-up."""
+    shift %= max(1, len(items))
+    return [*items[shift:], *items[:shift]]
 
 
 def lo_tx_bytes() -> int | None:
@@ -288,21 +484,199 @@ def lo_tx_bytes() -> int | None:
         return None
 
 
-def all_reduce_sum(values: Sequence[float]) -> list[float]:
+def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
+    """``values`` summed (or their ``max``) over the ranks, in float64."""
     t = torch.tensor(list(values), dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
 
 
-def all_reduce_max(values: Sequence[float]) -> list[float]:
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
-# ------------------------------------------------------------------------------ launching
+# ------------------------------------------------------------------ other load on the host
+
+
+def cpu_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (every core, every process)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Window:
+    """A measured stretch of training, the same on every rank: its wall time, the bytes on the
+    namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
+    disturbs benchmarks; this shows by how much). Collective: every rank makes, opens and
+    closes it."""
+
+    def __init__(self, max_quiet_wait_s: float = 900.0) -> None:
+        self.waited_for_quiet_s = wait_for_quiet(max_wait_s=max_quiet_wait_s)
+        dist.barrier()
+
+    def open(self) -> None:
+        self._busy, self._own, self._bytes = cpu_busy_seconds(), own_cpu_seconds(), lo_tx_bytes()
+        self._wall = time.perf_counter()
+
+    def close(self) -> dict[str, Any]:
+        wall, sent = time.perf_counter() - self._wall, lo_tx_bytes()
+        busy = cpu_busy_seconds() - self._busy
+        (own,) = all_reduce([own_cpu_seconds() - self._own])
+        share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if dist.get_rank() == 0 else 0.0
+        return {"wall_s": wall, "lo_bytes": None if sent is None or self._bytes is None else sent - self._bytes,
+                "foreign_cpu_share": all_reduce([share])[0], "waited_for_quiet_s": self.waited_for_quiet_s}
+
+
+def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: float = 900.0) -> float:
+    """Wait (collectively) until the other processes use less than ``threshold`` of the
+    machine's CPU while the ranks sleep; returns the seconds waited (gives up after
+    ``max_wait_s``, and says so)."""
+    started, announced = time.perf_counter(), False
+    while True:
+        busy0 = cpu_busy_seconds()
+        time.sleep(sample_s)
+        (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
+        waited = time.perf_counter() - started
+        if share < threshold or waited > max_wait_s:
+            if share >= threshold:
+                print(f"the machine is still {share:.0%} busy after {waited:.0f} s: measuring anyway", flush=True)
+            return waited
+        if not announced and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
+            announced = True
+
+
+# ------------------------------------------------------------------- another checkout
+
+
+class Checkout:
+    """The ``acco`` package of another checkout of this repository, imported beside this
+    one's, so that both run interleaved in one process, on the same process group, data and
+    machine state (an A/B measurement). Its modules sit in ``sys.modules`` only inside
+    :meth:`active`, so imports made while it runs find its own modules, not this one's.
+
+    Raises:
+        ValueError: ``root`` holds no ``acco`` package.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        if not (self.root / "acco" / "__init__.py").is_file():
+            raise ValueError(f"{self.root} is not a checkout of this repository (no acco/__init__.py)")
+        self._modules: dict[str, ModuleType] = {}
+        with self.active():
+            sys.path.insert(0, str(self.root))
+            try:
+                self.acco = importlib.import_module("acco")
+            finally:
+                sys.path.remove(str(self.root))
+        git = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True)
+        self.commit = git.stdout.strip() or None
+
+    @staticmethod
+    def _take() -> dict[str, ModuleType]:
+        return {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "acco"}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block, ``import acco`` means this checkout's acco."""
+        others = self._take()
+        sys.modules.update(self._modules)
+        try:
+            yield
+        finally:
+            self._modules = self._take()
+            sys.modules.update(others)
+
+    def module(self, name: str) -> ModuleType:
+        """One of its modules, e.g. ``acco.sharding``."""
+        with self.active():
+            return importlib.import_module(name)
+
+
+# -------------------------------------------------------------------------- entry point
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark's arguments, what each rank of one launch does, and the driver's sweep.
+
+    Attributes:
+        name: results go to ``results/NAME.json`` (``--quick``: ``results/scratch/``), or
+            to ``results/`` + ``stem`` formatted with the arguments (``"profile-{ranks}ranks"``).
+        doc: the module docstring; its first paragraph is the ``--help`` description.
+        arguments: adds the benchmark's own options to the parser.
+        rank: one launch's work, on every rank; rank 0's return value is its JSON.
+        sweep: the driver: launches ranks with :func:`run_ranks`, returns the results
+            (it may :func:`save` them as it goes, so a long sweep keeps what it has);
+            default: one launch of ``args.ranks`` ranks under plain ``torchrun``.
+        quick: what ``--quick`` (a smoke run of a few minutes) changes in the arguments.
+        check: returns what is wrong with the parsed arguments, or None.
+    """
+
+    name: str
+    doc: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    rank: Callable[[argparse.Namespace, Dist], dict[str, Any]]
+    sweep: Callable[[argparse.Namespace], dict[str, Any]] | None = None
+    quick: Callable[[argparse.Namespace], None] = lambda args: None
+    check: Callable[[argparse.Namespace], str | None] = lambda args: None
+    stem: str = ""
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        parser = argparse.ArgumentParser(description=self.doc.split("\n\n")[0])
+        self.arguments(parser)
+        add = parser.add_argument
+        stem = self.stem or self.name
+        add("--out", type=Path, default=None, help=f"JSON output (default: benchmarks/results/{stem}.json)")
+        add("--no-report", action="store_true", help="do not regenerate the README tables and plots")
+        add("--quick", action="store_true", help="a short smoke run, into results/scratch/ (no report)")
+        add("--label", default=None, help=argparse.SUPPRESS)  # names a rank launch in its output
+        args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # forwarded to the ranks
+        args.script = Path(sys.modules[self.rank.__module__].__file__).resolve()
+        args.benchmark = self.name
+        if args.quick:
+            self.quick(args)
+            args.no_report = True
+        args.stem = (self.stem or self.name).format(**vars(args))
+        if args.out is None and "RANK" not in os.environ:
+            args.out = (SCRATCH_DIR if args.quick else RESULTS_DIR) / f"{args.stem}.json"
+        problem = self.check(args)
+        if problem:
+            parser.error(problem)
+        return args
+
+
+def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
+    """The driver (the user's command), or one rank when started by ``torchrun``."""
+    args = benchmark.parse(argv)
+    if "RANK" in os.environ:
+        ctx = setup_distributed(getattr(args, "device", "cpu"), "gloo", datetime.timedelta(minutes=10))
+        result = benchmark.rank(args, ctx)
+        if ctx.master:
+            write_json(args.out or RESULTS_DIR / f"{args.stem}-torchrun.json", result)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    started = time.perf_counter()
+    results = benchmark.sweep(args) if benchmark.sweep else run_ranks(args, args.ranks)
+    results.setdefault("runtime_s", time.perf_counter() - started)  # a merged sweep keeps its own
+    save(args, results)
+    print(f"wrote {args.out} ({minutes(results['runtime_s'])})")
+    if not args.no_report:
+        import report
+
+        report.main([])
 
 
 def launch(nproc: int, script_and_args: Sequence[str], rate: str | None = None, netns: bool = True) -> None:
@@ -310,9 +684,9 @@ def launch(nproc: int, script_and_args: Sequence[str], rate: str | None = None, 
     is limited to ``rate`` (``netns``), or under plain ``torchrun --standalone``."""
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
     if netns:
-        from netns import run_ranks
+        from netns import run_ranks as run_in_namespace
 
-        code = run_ranks(nproc, script_and_args, rate, env=env)
+        code = run_in_namespace(nproc, script_and_args, rate, env=env)
     else:
         if rate is not None:
             raise ValueError("a rate limit needs the network namespace")
@@ -323,75 +697,63 @@ def launch(nproc: int, script_and_args: Sequence[str], rate: str | None = None, 
         raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
 
 
-# ------------------------------------------------------------------- other load on the host
+def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | None = None,
+              netns: bool = False) -> Any:
+    """Launch the benchmark's own file on ``nproc`` ranks with the driver's arguments plus
+    ``extra`` (later options win); rank 0's JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        launch(nproc, [str(args.script), *args.argv, *extra, "--out", str(out)], rate, netns)
+        return read_json(out)
 
 
-def cpu_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine so far (every core, every process)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+# ----------------------------------------------------------------------- files, tables, plots
 
 
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process, all its threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-class ForeignLoad:
-    """CPU used on this machine by processes other than the ranks, over a window.
-
-    Benchmarks on a shared machine are disturbed by other jobs; this measures by how much,
-    so a disturbed repeat can be seen in the results. Collective: every rank calls
-    ``start()`` and ``stop()``.
-    """
-
-    def start(self) -> None:
-        self._busy, self._own, self._wall = cpu_busy_seconds(), own_cpu_seconds(), time.perf_counter()
-
-    def stop(self) -> float:
-        """The other processes' share of the machine's CPU capacity during the window."""
-        busy = cpu_busy_seconds() - self._busy
-        (own,) = all_reduce_sum([own_cpu_seconds() - self._own])
-        wall = time.perf_counter() - self._wall
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
-        else:
-            share = 0.0
-        (share,) = all_reduce_sum([share])
-        return share
-
-
-def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: float = 900.0) -> float:
-    """Wait (collectively) until the other processes use less than ``threshold`` of the
-    machine's CPU while the ranks sleep; returns the seconds waited (gives up after
-    ``max_wait_s``, and says so)."""
-    started = time.perf_counter()
-    announced = False
-    while True:
-        busy0 = cpu_busy_seconds()
-        time.sleep(sample_s)
-        share = (cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))
-        (share,) = all_reduce_max([share])
-        waited = time.perf_counter() - started
-        if share < threshold or waited > max_wait_s:
-            if share >= threshold:
-                print(f"the machine is still {share:.0%} busy with other work after {waited:.0f} s: measuring anyway",
-                      flush=True)
-            return waited
-        if not announced and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
-            announced = True
+def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The driver's results, with the benchmark's name and the machine, to ``args.out``."""
+    write_json(args.out, {"benchmark": args.benchmark, "machine": machine(), **results})
 
 
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
 
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def rate_text(rate: str) -> str:
+    """``377502045bit`` as ``378 Mbit/s``; other spellings as they are."""
+    if rate.endswith("bit") and rate[:-3].isdigit():
+        return f"{int(rate[:-3]) / 1e6:.0f} Mbit/s"
+    return rate
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend (imported late: only plots need it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path.name

@@ -1,76 +1,91 @@
-"""gloo reduce-scatter + all-gather of acco's Collectives: another checkout's (e.g. before
+"""gloo reduce-scatter + all-gather of acco's ``Collectives``: another checkout's (e.g. before
 issue 13: an all-to-all into a model-size receive buffer) against this one's (pairwise, in
-place), interleaved repeats, medians.
+place), interleaved repeats, medians. ``throughput.py --baseline`` is the same A/B for the
+whole optimizer.
 
     git worktree add /tmp/acco-999678c 999678c
-    torchrun --standalone --nproc-per-node 2 benchmarks/compare_reduce_scatter.py --baseline /tmp/acco-999678c
+    python benchmarks/compare_reduce_scatter.py --baseline /tmp/acco-999678c
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import statistics
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import common
+from examples.train_gpt import Dist
 
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent.parent
+__all__ = ["BENCHMARK"]
 
 
-def load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", required=True, help="the other checkout's root")
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline", type=Path, required=True, help="the other checkout's root")
     parser.add_argument("--sizes", type=float, nargs="+", default=[3.26, 25.4], help="millions of fp32 elements")
     parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
-    old = load("baseline_sharding", Path(args.baseline) / "acco" / "sharding.py")
-    new = load("this_sharding", HERE / "acco" / "sharding.py")
-    dist.init_process_group("gloo")
+    parser.add_argument("--ranks", type=int, default=2)
+
+
+def quick(args: argparse.Namespace) -> None:
+    args.sizes, args.repeats = [1.0], 3
+
+
+def collectives(load: Callable[[str], ModuleType]) -> type:
+    """A checkout's ``Collectives``: in ``acco.collectives``, or ``acco.sharding`` before the package split."""
+    for name in ("acco.collectives", "acco.sharding"):
+        try:
+            return load(name).Collectives
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("no acco.collectives.Collectives nor acco.sharding.Collectives")
+
+
+def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    old_comm, new_comm = old.Collectives(dist.new_group()), new.Collectives(dist.new_group())
+    old = collectives(common.Checkout(args.baseline).module)(dist.new_group())
+    new = collectives(importlib.import_module)(dist.new_group())
+    results = []
     for millions in args.sizes:
-        chunk = -(-int(millions * 1e6) // world)
-        grads = torch.randn(chunk * world, generator=torch.Generator().manual_seed(rank))
-        own = slice(rank * chunk, (rank + 1) * chunk)
+        chunk = -(-int(millions * 1e6) // ctx.world_size)
+        grads = torch.randn(chunk * ctx.world_size, generator=torch.Generator().manual_seed(ctx.rank))
+        own = slice(ctx.rank * chunk, (ctx.rank + 1) * chunk)
         out = torch.empty(chunk)
         times: dict[str, list[float]] = {"baseline": [], "this": []}
         for _ in range(args.repeats):
-            for name in times:
+            for side in times:
                 buffer = grads.clone()
                 dist.barrier()
                 started = time.perf_counter()
-                if name == "baseline":
-                    old_comm.reduce_scatter_sum(out, buffer)
-                    old_comm.all_gather(buffer, out)
+                if side == "baseline":
+                    old.reduce_scatter_sum(out, buffer)
+                    old.all_gather(buffer, out)
                 else:
-                    new_comm.reduce_scatter_sum(buffer[own], buffer)
-                    new_comm.all_gather(buffer, buffer[own])
-                times[name].append(time.perf_counter() - started)
+                    new.reduce_scatter_sum(buffer[own], buffer)
+                    new.all_gather(buffer, buffer[own])
+                times[side].append(time.perf_counter() - started)
         a, b = grads.clone(), grads.clone()
-        old_comm.reduce_scatter_sum(out, a)
-        new_comm.reduce_scatter_sum(b[own], b)
-        same = torch.allclose(out, b[own], rtol=1e-6, atol=1e-5)
-        if rank == 0:
-            base, this = statistics.median(times["baseline"]), statistics.median(times["this"])
-            print(f"{world} ranks, {millions:.2f}M fp32: reduce-scatter + all-gather, median of {args.repeats}: "
-                  f"baseline {base * 1e3:.1f} ms, this {this * 1e3:.1f} ms, ratio {this / base:.3f}, same sums {same}",
-                  flush=True)
-    dist.destroy_process_group()
+        old.reduce_scatter_sum(out, a)
+        new.reduce_scatter_sum(b[own], b)
+        base, this = statistics.median(times["baseline"]), statistics.median(times["this"])
+        results.append({"millions": millions, "baseline_s": base, "this_s": this, "ratio": this / base,
+                        "same_sums": torch.allclose(out, b[own], rtol=1e-6, atol=1e-5)})
+        if ctx.master:
+            print(f"{ctx.world_size} ranks, {millions:.2f}M fp32: reduce-scatter + all-gather, median of "
+                  f"{args.repeats}: baseline {base * 1e3:.1f} ms, this {this * 1e3:.1f} ms, ratio {this / base:.3f}, "
+                  f"same sums {results[-1]['same_sums']}", flush=True)
+    return {"benchmark": "compare_reduce_scatter", "baseline": str(args.baseline), "ranks": ctx.world_size,
+            "repeats": args.repeats, "sizes": results}
 
+
+BENCHMARK = common.Benchmark("compare_reduce_scatter", __doc__, arguments, rank, quick=quick)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK)

@@ -1,25 +1,15 @@
 """Convergence: the example GPT on the standard library's text, at equal samples, for
-acco's three modes and DDP + ZeroRedundancyOptimizer; and how far an acco (or dpu) update
-is from the synchronous update taken from the same parameters and data.
+acco's modes and DDP + ZeroRedundancyOptimizer; and how far an acco (or dpu) update is from
+the synchronous update taken from the same parameters and data (:class:`UpdateDifference`).
 
     python benchmarks/convergence.py                 # 2 ranks, plain torchrun (no root needed)
+    python benchmarks/convergence.py --quick         # 20 updates: a smoke run, into results/scratch/
 
-Every method sees exactly the same micro-batches (each rank draws its own stream, the same
-in every method), the example's recipe (AdamW, no decay on biases / LayerNorms /
-embeddings, clipping at 1.0, linear warm-up then cosine, stepped once per committed
-update) and the same number of updates and micro-batches per update. The loss curves
-are the training loss (mean over every rank's micro-batches of an update) and the eval
-loss on fixed held-out batches; the final eval loss is taken on the committed parameters
-after the last update.
-
-The update difference. Every ``--diff-every`` updates, in the acco and dpu runs, the
-benchmark waits for the comm lane to be idle and records this rank's master shard and
-AdamW state (theta, S) just before the optimizer starts its next update, and the
-micro-batches that update will use. When the update has landed (``u_acco``: the new shard
-minus the old), it replays the synchronous update from the same place: gradients of the
-same micro-batches all taken at theta, averaged over ranks, clipped, one AdamW step from
-S (``u_sync``). It reports ``||u_acco - u_sync|| / (||u_acco|| + ||u_sync||)`` over all
-shards. Waiting for the lane changes the timing, not the arithmetic.
+Every method sees exactly the same micro-batches (each rank its own stream, the same in
+every method), the example's recipe (AdamW, clipping, linear warm-up then cosine, stepped
+once per committed update) and the same number of updates and micro-batches per update,
+so the curves compare equal samples; the final eval loss is taken on the committed
+parameters.
 """
 
 from __future__ import annotations
@@ -27,90 +17,80 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import common
+from examples.train_gpt import Dist, WarmupCosine, eval_batches, evaluate, loss_fn
+from examples.train_gpt import parse_args as example_defaults
+
 import torch
 import torch.distributed as dist
-from common import (
-    RESULTS_DIR,
-    AccoMethod,
-    Method,
-    ModelConfig,
-    batches,
-    build_method,
-    launch,
-    read_json,
-    start_ranks,
-    training_text,
-    write_json,
-)
 from torch import Tensor
 
-from acco import AccoOptimizer, RoundKind
-from examples.train_gpt import WarmupCosine, eval_batches, evaluate, loss_fn
-from examples.train_gpt import parse_args as example_defaults
+from acco import RoundKind
+
+__all__ = ["BENCHMARK", "UpdateDifference", "blocks", "runtimes", "targets"]
 
 METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1", "acco-bf16", "acco-fp8")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arguments(parser: argparse.ArgumentParser) -> None:
     example = example_defaults([])  # the example's recipe is the default here
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--ranks", type=int, default=2)
     add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     add("--updates", type=int, default=example.updates)
-    add("--micro-batches", type=int, default=example.micro_batches_per_update, help="per rank per update (even)")
+    add("--micro-batches", type=common.even, default=example.micro_batches_per_update, help="per rank per update")
     add("--lr", type=float, default=example.lr)
     add("--warmup", type=int, default=example.warmup)
     add("--grad-clip", type=float, default=example.grad_clip)
-    add("--n-layer", type=int, default=example.n_layer)
-    add("--n-embd", type=int, default=example.n_embd)
-    add("--n-head", type=int, default=example.n_head)
-    add("--seq-len", type=int, default=example.seq_len)
-    add("--batch-size", type=int, default=example.batch_size)
+    common.model_arguments(parser, common.ModelConfig(example.n_layer, example.n_embd, example.n_head, example.seq_len,
+                                                      example.batch_size))
     add("--seed", type=int, default=example.seed)
     add("--eval-every", type=int, default=25)
     add("--eval-batches", type=int, default=32)
     add("--diff-every", type=int, default=10, help="measure the update difference every this many updates (0: off)")
-    add("--out", default=None)
-    add("--no-report", action="store_true")
-    add("--method", default=None, help=argparse.SUPPRESS)  # a rank launch trains this one
-    args = parser.parse_args(argv)
-    if args.micro_batches % 2:
-        parser.error("--micro-batches must be even (acco splits an update into two rounds)")
-    return args
+    add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # a rank launch trains this one
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                       batch_size=args.batch_size, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
+def quick(args: argparse.Namespace) -> None:
+    args.updates, args.warmup, args.eval_every, args.eval_batches, args.diff_every = 20, 4, 10, 4, 5
 
 
-# ------------------------------------------------------------------ the update difference
+def model_config(args: argparse.Namespace) -> common.ModelConfig:
+    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
+
+
+# ------------------------------------------------------------------- the update difference
 
 
 class UpdateDifference:
-    """Compares each measured acco / dpu update with the synchronous update from the same
-    parameters, optimizer state and micro-batches (see the module docstring)."""
+    """How far acco's (or dpu's) updates are from the synchronous update from the same place.
 
-    def __init__(self, method: AccoMethod, config: ModelConfig) -> None:
-        self.opt: AccoOptimizer = method.opt
-        self.model = method.model
-        self.config = config
+    Every ``every`` updates it waits for the comm lane to be idle and keeps this rank's
+    master shard and AdamW state (theta, S) from just before an update starts, and the
+    micro-batches that update uses. Once the update has landed (``u``: the new shard minus
+    theta) it replays the synchronous update: the same micro-batches' gradients all taken at
+    theta, averaged over ranks, clipped, one AdamW step from S (``u_sync``), and records
+    ``||u - u_sync|| / (||u|| + ||u_sync||)`` over all shards. Waiting for the lane changes
+    the timing, not the arithmetic; in ``sync`` mode it is a control.
+    """
+
+    def __init__(self, method: common.AccoMethod, every: int, total: int) -> None:
+        self.opt, self.model, self.config = method.opt, method.model, method.config
+        self.every, self.total = every, total
         self.scratch = copy.deepcopy(method.model)
         names = {id(p): n for n, p in self.model.named_parameters()}
         scratch = dict(self.scratch.named_parameters())
         # The scratch model's parameters in the order of each group's flat buffer.
         self.group_params = [[scratch[names[id(p)]] for p in g["params"]] for g in self.opt.param_groups]
-        self.rounds_per_update = 2 if self.opt.mode.value == "acco" else 1  # rounds an update's data spans
-        self.active = False
+        self.sync = self.opt.mode.value == "sync"
+        self.rounds_per_update = method.rounds_per_update  # rounds an update's data spans
+        self.active = self.needs_params = False
+        self.pending_rounds = 0
         self.ratios: list[float] = []
         self.updates: list[int] = []
 
@@ -127,29 +107,29 @@ class UpdateDifference:
         while not self.opt.ready():
             time.sleep(0.001)
 
-    def before_step(self, round_batches: list[tuple[Tensor, Tensor]], due: bool) -> None:
-        """At a round boundary, before ``step()``: start or finish a measurement."""
+    def before_boundary(self, record: common.RoundRecord) -> None:
+        """Right before ``step()``: start or finish a measurement."""
+        # The measured update is the one after the commit in flight; it must land in step().
+        upcoming = self.opt.num_updates + (1 if self.sync else 2)
         if self.active:
             if self.pending_rounds:  # acco: the commit also uses the next round's micro-batches
-                self.data += round_batches
+                self.data += record.batches
                 self.pending_rounds -= 1
                 return
             self._wait_idle()
             self._finish()
-        sync = self.opt.mode.value == "sync"
-        if due and (sync or self.opt.in_flight is RoundKind.COMMIT):
-            self._wait_idle()  # the lane is idle: shard and state are the committed ones
-            self.start_shards = [view.detach().clone() for _, view in self._shards()]
-            self.start_state = [{k: v.clone() for k, v in base.state[view].items()} for base, view in self._shards()]
-            self.data = list(round_batches)
-            self.pending_rounds = self.rounds_per_update - 1
-            self.active = True
-            self.needs_params = True
-            if sync:  # sync updates inside step(): the model holds theta now, not after it
-                self.after_step()
-            self.update = self.opt.num_updates + (1 if sync else 2)  # the update measured
+        if upcoming % self.every or upcoming >= self.total or not (self.sync or self.opt.in_flight is RoundKind.COMMIT):
+            return
+        self._wait_idle()  # the lane is idle: shard and state are the committed ones
+        self.start_shards = [view.detach().clone() for _, view in self._shards()]
+        self.start_state = [{k: v.clone() for k, v in base.state[view].items()} for base, view in self._shards()]
+        self.data, self.pending_rounds = list(record.batches), self.rounds_per_update - 1
+        self.active = self.needs_params = True
+        self.update = upcoming
+        if self.sync:  # sync updates inside step(): the model holds theta now, not after it
+            self.after_boundary()
 
-    def after_step(self) -> None:
+    def after_boundary(self) -> None:
         """Right after the ``step()`` that started a measurement: the model holds theta."""
         if self.active and self.needs_params:
             with torch.no_grad():
@@ -159,13 +139,13 @@ class UpdateDifference:
 
     def _finish(self) -> None:
         self.active = False
-        grads = self._sync_gradient()
         squares = torch.zeros(3, dtype=torch.float64)
-        for (base, view), start, state, grad in zip(self._shards(), self.start_shards, self.start_state, grads):
+        for (base, view), start, state, grad in zip(self._shards(), self.start_shards, self.start_state,
+                                                    self._sync_gradient()):
             u_acco = view.detach() - start
             param = start.clone()
-            hyper = {k: v for k, v in base.param_groups[0].items() if k != "params"}
-            reference = type(base)([{**hyper, "params": [param]}])
+            reference = type(base)([{**{k: v for k, v in base.param_groups[0].items() if k != "params"},
+                                     "params": [param]}])
             reference.state[param] = {k: v.clone() for k, v in state.items()}
             param.grad = grad
             reference.step()
@@ -196,93 +176,70 @@ class UpdateDifference:
             flats.append(flat / count)
         if self.config.max_grad_norm is not None:
             norm = math.sqrt(sum(float(f.double().square().sum()) for f in flats))
-            scale = min(1.0, self.config.max_grad_norm / (norm + 1e-6))
-            flats = [f * scale for f in flats]
+            flats = [f * min(1.0, self.config.max_grad_norm / (norm + 1e-6)) for f in flats]
         rank = dist.get_rank()
-        return [f[rank * plan.chunk : (rank + 1) * plan.chunk].clone()
-                for f, plan in zip(flats, self.opt.shard_plans)]
+        return [f[rank * plan.chunk : (rank + 1) * plan.chunk].clone() for f, plan in zip(flats, self.opt.shard_plans)]
 
 
-# ----------------------------------------------------------------------------- training
+# ------------------------------------------------------------------------------- training
 
 
-def train(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = start_ranks()
+def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
+    if args.method is None:
+        raise SystemExit("a rank launch needs --method")
     config = model_config(args)
-    train_data, held_out = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
+    train_data, held_out = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, config.seed,
                             torch.device("cpu"))
-    method: Method = build_method(name, config, args.micro_batches)
-    opt = method.optimizer()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.warmup, args.updates))
-    model = getattr(method.model, "module", method.model)
-    # In sync mode the measurement is a control: it must find (almost) no difference.
-    diff = UpdateDifference(method, config) if args.diff_every and isinstance(opt, AccoOptimizer) else None
+    method = common.build_method(args.method, config, args.micro_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, WarmupCosine(args.warmup, args.updates))
+    diff = (UpdateDifference(method, args.diff_every, args.updates)
+            if args.diff_every and isinstance(method, common.AccoMethod) else None)
     losses: list[float] = []
-    evals: list[tuple[int, float]] = [(0, evaluate(model, eval_set))]
-    started = time.perf_counter()
-    eval_time = 0.0
-    updates = 0
+    evals: list[tuple[int, float]] = [(0, evaluate(method.module, eval_set))]
+    started, eval_s, updates = time.perf_counter(), 0.0, 0
 
     def committed() -> None:
-        nonlocal eval_time, updates
+        nonlocal eval_s, updates
         updates += 1
         scheduler.step()  # once per committed update
         if updates % args.eval_every == 0 and updates < args.updates:
             t = time.perf_counter()
-            evals.append((updates, evaluate(model, eval_set)))
-            eval_time += time.perf_counter() - t
+            evals.append((updates, evaluate(method.module, eval_set)))
+            eval_s += time.perf_counter() - t
 
     for _ in range(args.updates * method.rounds_per_update):
-        round_batches = [next_batch() for _ in range(method.micro_batches_per_round)]
-        for x, y in round_batches:
-            losses.append(float(method.micro_batch(x, y)))
-        if diff is not None:
-            # The measured update is the one after the commit in flight; it must land in step().
-            upcoming = opt.num_updates + (1 if opt.mode.value == "sync" else 2)
-            due = upcoming % args.diff_every == 0 and upcoming < args.updates
-            diff.before_step(round_batches, due)
-        if method.end_round():
+        record = common.train_round(method, next_batch, before_boundary=diff.before_boundary if diff else None)
+        losses += [float(loss) for loss in record.losses]
+        if record.committed:
             committed()
         if diff is not None:
-            diff.after_step()
+            diff.after_boundary()
     if method.finish():
-        updates += 1
-        scheduler.step()
-    train_s = time.perf_counter() - started - eval_time
+        committed()
+    train_s = time.perf_counter() - started - eval_s
     if updates != args.updates:
-        raise AssertionError(f"{name}: {updates} updates, expected {args.updates}")
-    final = evaluate(model, eval_set)
+        raise AssertionError(f"{args.method}: {updates} updates, expected {args.updates}")
+    final = evaluate(method.module, eval_set)
     evals.append((args.updates, final))
-    # Mean training loss per update over every rank's micro-batches.
-    per_micro_batch = torch.tensor(losses, dtype=torch.float64)
+    per_micro_batch = torch.tensor(losses, dtype=torch.float64)  # mean per update over every rank's micro-batches
     dist.all_reduce(per_micro_batch)
     per_update = (per_micro_batch / ctx.world_size).view(args.updates, args.micro_batches).mean(dim=1)
-    result = {
-        "method": name,
-        "ranks": ctx.world_size,
-        "final_eval_loss": final,
-        "eval": [{"update": u, "samples": u * args.micro_batches * ctx.world_size * config.batch_size, "loss": loss}
-                 for u, loss in evals],
-        "train_loss_per_update": per_update.tolist(),
-        "train_seconds": train_s,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    samples = args.micro_batches * ctx.world_size * config.batch_size
+    result = {"method": args.method, "ranks": ctx.world_size, "final_eval_loss": final,
+              "eval": [{"update": u, "samples": u * samples, "loss": loss} for u, loss in evals],
+              "train_loss_per_update": per_update.tolist(), "train_seconds": train_s,
+              "parameters": sum(p.numel() for p in method.module.parameters())}
     if diff is not None:
         result["update_difference"] = {"updates": diff.updates, "ratios": diff.ratios,
                                        "mean": statistics.fmean(diff.ratios) if diff.ratios else None}
-    dist.barrier()
-    dist.destroy_process_group()
     return result
 
 
-def driver(args: argparse.Namespace) -> None:
-    out = Path(args.out) if args.out else RESULTS_DIR / "convergence.json"
-    started = time.perf_counter()
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
     config = model_config(args)
     results: dict[str, Any] = {
-        "benchmark": "convergence",
         "config": {**config.as_dict(), "ranks": args.ranks, "updates": args.updates,
                    "micro_batches_per_update": args.micro_batches, "warmup": args.warmup,
                    "eval_batches": args.eval_batches, "eval_every": args.eval_every, "diff_every": args.diff_every,
@@ -291,42 +248,114 @@ def driver(args: argparse.Namespace) -> None:
     }
     for name in args.methods:
         print(f"convergence: {name}", flush=True)
-        t = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            rank_out = Path(tmp) / "run.json"
-            launch(args.ranks, [str(Path(__file__).resolve()), *sys.argv[1:], "--method", name, "--out", str(rank_out)],
-                   netns=False)
-            run = read_json(rank_out)
-        run["runtime_s"] = time.perf_counter() - t
-        results["methods"][name] = run
-        message = f"  final eval loss {run['final_eval_loss']:.4f} ({run['runtime_s']:.0f} s)"
-        if "update_difference" in run:
-            message += f", update difference {run['update_difference']['mean']:.3f}"
-        print(message, flush=True)
+        started = time.perf_counter()
+        run = results["methods"][name] = common.run_ranks(args, args.ranks, "--method", name)
+        run["runtime_s"] = time.perf_counter() - started
+        diff = run.get("update_difference", {}).get("mean")
+        print(f"  final eval loss {run['final_eval_loss']:.4f} ({run['runtime_s']:.0f} s)"
+              + (f", update difference {diff:.3f}" if diff is not None else ""), flush=True)
     sync = results["methods"].get("acco-sync", {}).get("final_eval_loss")
-    if sync:
-        for run in results["methods"].values():
+    for run in results["methods"].values():
+        if sync:
             run["gap_vs_sync"] = (run["final_eval_loss"] - sync) / sync
-    results["runtime_s"] = time.perf_counter() - started
-    write_json(out, results)
-    print(f"wrote {out} ({results['runtime_s'] / 60:.1f} min)")
-    if not args.no_report:
-        import report
-
-        report.main([])
+    return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:
-        if args.method is None:
-            raise SystemExit("a rank launch needs --method")
-        result = train(args.method, args)
-        if int(os.environ["RANK"]) == 0:
-            write_json(Path(args.out or RESULTS_DIR / f"convergence-{args.method}.json"), result)
-    else:
-        driver(args)
+# ----------------------------------------------------------------------- tables and plots
 
+
+def table(data: dict[str, Any]) -> str:
+    cfg, rows = data["config"], []
+    for name, run in data["methods"].items():
+        diff = run.get("update_difference")
+        rows.append([common.label(name), f"{run['final_eval_loss']:.4f}", f"{run.get('gap_vs_sync', math.nan):+.2%}",
+                     f"{diff['mean']:.3f} ({len(diff['ratios'])} updates)" if diff and diff["mean"] is not None else "",
+                     f"{statistics.fmean(run['train_loss_per_update'][-20:]):.4f}", common.minutes(run["runtime_s"])])
+    parameters = next(iter(data["methods"].values()))["parameters"]
+    return (f"{cfg['ranks']} ranks, {common.describe(cfg, parameters)}, {cfg['updates']} updates x "
+            f"{cfg['micro_batches_per_update']} micro-batches per rank = {cfg['samples']:,} samples for every method; "
+            f"lr {cfg['lr']}, clipping {cfg['max_grad_norm']}; eval on {cfg['eval_batches']} fixed held-out batches."
+            "\n\n" + common.md_table(["method", "final eval loss", "vs sync", "update difference (mean)",
+                               "train loss, last 20 updates", "runtime"], rows))
+
+
+def runs_table(results: dict[str, Any]) -> str:
+    """One row per run (``convergence.json`` and ``convergence-*.json``): how acco's and dpu's
+    gaps to sync move with the seed and the settings."""
+    rows = []
+    for stem, data in results.items():
+        cfg, methods = data["config"], data["methods"]
+        if "acco-sync" not in methods:
+            continue
+        gap = {n: f"{methods[n]['final_eval_loss']:.4f} ({methods[n]['gap_vs_sync']:+.2%})" if n in methods else ""
+               for n in ("acco", "acco-dpu")}
+        rows.append([f"results/{stem}.json", str(cfg["seed"]), str(cfg["lr"]), str(cfg["updates"]),
+                     f"{methods['acco-sync']['final_eval_loss']:.4f}", gap["acco"], gap["acco-dpu"]])
+    return common.md_table(["run", "seed", "peak lr", "updates", "sync eval loss", "acco (vs sync)", "dpu (vs sync)"],
+                           rows)
+
+
+def plot(data: dict[str, Any], path: Path) -> str:
+    plt = common.pyplot()
+    cfg = data["config"]
+    per_update = cfg["micro_batches_per_update"] * cfg["ranks"] * cfg["batch_size"]
+    fig, (train_ax, eval_ax, diff_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
+    for name, run in data["methods"].items():
+        spec, losses = common.method_spec(name), run["train_loss_per_update"]
+        style = {"label": common.label(name).replace("`", ""), "color": spec.colour, "ls": spec.line}
+        smooth = [statistics.fmean(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
+        train_ax.plot([(i + 1) * per_update for i in range(len(losses))], smooth, **style)
+        eval_ax.plot([e["samples"] for e in run["eval"]], [e["loss"] for e in run["eval"]], marker=".", **style)
+        diff = run.get("update_difference")
+        if diff and diff["ratios"]:
+            diff_ax.plot(diff["updates"], diff["ratios"], marker=".", **style)
+    train_ax.set(xlabel="samples", ylabel="train loss (10-update mean)", title="training loss")
+    eval_ax.set(xlabel="samples", ylabel="held-out loss", title="eval loss")
+    diff_ax.set(xlabel="update", ylabel="||u - u_sync|| / (||u|| + ||u_sync||)",
+                title="update vs the sync update from the same state")
+    for ax in (train_ax, eval_ax):
+        ax.set_ylim(top=min(ax.get_ylim()[1], 3.5))
+    for ax in (train_ax, eval_ax, diff_ax):
+        ax.legend(fontsize=8)
+    return common.save_figure(fig, path)
+
+
+def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
+    out = {"convergence-runs": runs_table(results)}
+    if "convergence" in results:
+        data = results["convergence"]
+        out["convergence"] = table(data) + f"\n\n![convergence](results/{plot(data, figures / 'convergence.png')})"
+    return out
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    methods = results.get("convergence", {}).get("methods", {})
+    if "acco" not in methods or "acco-sync" not in methods:
+        return []
+    rows: list[tuple[str, str, bool | None]] = []
+    for stem, data in results.items():  # every run, the main one first: no picking
+        cfg, found = data["config"], data["methods"]
+        if "acco" in found and "acco-sync" in found:
+            gap = found["acco"]["gap_vs_sync"]
+            rows.append((f"acco's final eval loss within 1% of sync (results/{stem}.json: seed {cfg['seed']}, "
+                         f"lr {cfg['lr']}, {cfg['updates']} updates)", f"{gap:+.2%}", abs(gap) <= 0.01))
+    acco_gap = methods["acco"]["gap_vs_sync"]
+    if "acco-dpu" in methods:
+        dpu_gap = methods["acco-dpu"]["gap_vs_sync"]
+        rows.append(("dpu's gap larger than acco's", f"{dpu_gap:+.2%} vs {acco_gap:+.2%}",
+                     abs(dpu_gap) > abs(acco_gap)))
+    diffs = [methods.get(n, {}).get("update_difference", {}).get("mean") for n in ("acco", "acco-dpu")]
+    if diffs[0] is not None:
+        rows.append(("(for reference) normalised update difference to sync, acco / dpu (paper: 0.07-0.11 for acco)",
+                     " / ".join(f"{d:.3f}" for d in diffs if d is not None), None))
+    return rows
+
+
+def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
+    return [("convergence", results["convergence"]["runtime_s"])] if "convergence" in results else []
+
+
+BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main(BENCHMARK)

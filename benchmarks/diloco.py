@@ -1,27 +1,17 @@
 """DiLoCo (Douillard et al. 2023, arXiv 2311.08105) for the benchmarks: the method a user
-with a slow network would otherwise pick.
+with a slow network would otherwise pick. Two implementations behind one
+:class:`common.Method` interface:
 
-Two implementations behind one :class:`~common.Method` interface:
+- :class:`DiLoCoMethod`, the published algorithm written here: every rank runs the inner
+  AdamW alone for H (``sync_every``) steps, then the ranks all-reduce the difference from
+  the last synchronised parameters (the outer gradient) and apply SGD with Nesterov
+  momentum (0.9, lr 0.7) to those; one blocking all-reduce of the whole model per H steps.
+- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` driven the same way, each rank
+  a replica group of one, rank 0 running torchft's lighthouse.
 
-- :class:`DiLoCoMethod`: a plain implementation of the published algorithm, written here.
-  Every rank runs the inner optimizer (AdamW) alone for ``sync_every`` (H) steps; then the
-  ranks all-reduce the parameter difference from the last synchronised parameters (the
-  "outer gradient"), average it, and apply the outer optimizer, SGD with Nesterov momentum
-  (0.9, lr 0.7 in the paper), to the synchronised parameters, which every rank then loads.
-  Each rank keeps its own inner optimizer state, as in the paper. One all-reduce of the
-  whole model per H inner steps, blocking; nothing is sharded.
-- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` (torchft 0.2.0) driven the same
-  way: each rank is a torchft replica group of one process, rank 0 runs torchft's lighthouse
-  in-process, and every synchronisation goes through torchft's quorum, its gloo all-reduce
-  of the pseudo-gradients and its commit vote, as it would for a user of torchft.
-
-In both, an inner step is one optimizer step over ``micro_batches_per_update`` micro-batches
-(the same micro-batches per step as every other method's update), and ``end_round()``
-returns True when the ranks have just synchronised: only then do all ranks hold the same
-parameters, so that is when the benchmarks evaluate. ``finish()`` puts the last
-synchronised parameters back into the model (the inner steps since then are local to each
-rank and are not a model anyone holds): a DiLoCo run stopped between two synchronisations
-has its last synchronised model.
+An inner step covers ``micro_batches_per_update`` micro-batches, like every other method's
+update. ``end_round()`` returns True only when the ranks have just synchronised, the only
+time they all hold one model; ``finish()`` puts the last synchronised parameters back.
 """
 
 from __future__ import annotations
@@ -33,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Method, ModelConfig, build_model
-from torch import Tensor
+from common import Method, ModelConfig
+from torch import nn
 
-from examples.train_gpt import loss_fn, param_groups
+from examples.train_gpt import param_groups
 
 __all__ = ["DiLoCoMethod", "TorchftDiLoCoMethod", "torchft_version"]
 
@@ -67,70 +57,65 @@ def torchft_version() -> str | None:
 
 class _InnerLoop(Method):
     """What both implementations share: the inner AdamW over an update's micro-batches, a
-    warm-up schedule per inner step, and gradient clipping as in the other methods."""
+    warm-up schedule per inner step, gradient clipping as in the other methods, and the
+    last synchronised parameters, which ``finish()`` puts back into the model."""
 
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float]) -> None:
-        if sync_every < 1:
-            raise ValueError(f"Invalid sync_every: {sync_every} (at least 1)")
-        self.name = name
-        self.model = build_model(config)
-        self.micro_batches_per_round = micro_batches_per_update
-        self.sync_every = sync_every
-        self.max_grad_norm = config.max_grad_norm
-        self.inner = torch.optim.AdamW(param_groups(self.model, config.weight_decay), lr=config.lr,
-                                       betas=config.betas)
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.sync_every = int(name.removeprefix("diloco-h"))
+        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
         # The inner lr follows the same warm-up as every other method's updates, per inner step.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
         self.inner_steps = 0
         self.outer_steps = 0
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-
-    def micro_batch(self, x: Tensor, y: Tensor) -> Tensor:
-        loss = loss_fn(self.model, x, y)
-        (loss / self.micro_batches_per_round).backward()
-        return loss.detach()
+        self._params = [p for p in model.parameters() if p.requires_grad]
 
     def _inner_step(self) -> None:
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.inner_steps += 1
 
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def committed_updates(self, counted: int) -> int:
+        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
+
+    def committed_micro_batches(self, counted: int) -> float:
+        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
+
 
 class DiLoCoMethod(_InnerLoop):
     """A plain implementation of DiLoCo (see the module docstring), on the default group."""
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float]) -> None:
-        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        super().__init__(name, config, micro_batches_per_update, model, schedule)
         # Every rank built the same model from the same seed; rank 0's is broadcast anyway,
         # as DDP and acco do, so the runs start from one model whatever happened before.
         flat = torch.cat([p.detach().reshape(-1) for p in self._params])
         if dist.is_initialized():
             dist.broadcast(flat, src=0)
-        self._load(flat)
-        # The synchronised parameters (fp32) and their outer optimizer.
-        self.synced = [p.detach().clone() for p in self._params]
-        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-
-    def _load(self, flat: Tensor) -> None:
         with torch.no_grad():
             offset = 0
             for p in self._params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+        # The synchronised parameters (fp32) and their outer optimizer.
+        self.synced = [p.detach().clone() for p in self._params]
+        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
     def end_round(self) -> bool:
         self._inner_step()
         if self.inner_steps % self.sync_every:
             return False
-        self._synchronise()
-        return True
-
-    def _synchronise(self) -> None:
         # One all-reduce of the whole outer gradient (synchronised minus local), flattened.
         delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(self.synced, self._params)])
         if dist.is_initialized():
@@ -142,16 +127,9 @@ class DiLoCoMethod(_InnerLoop):
             offset += s.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
+        self.finish()  # every rank loads the new synchronised parameters
         self.outer_steps += 1
-
-    def finish(self) -> bool:
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
-        return False
+        return True
 
 
 class TorchftDiLoCoMethod(_InnerLoop):
@@ -160,14 +138,14 @@ class TorchftDiLoCoMethod(_InnerLoop):
     Collective: every rank of the default group constructs it and calls ``close()``.
     """
 
-    def __init__(self, config: ModelConfig, micro_batches_per_update: int, sync_every: int,
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
         _quiet_torchft()
         from torchft import Manager, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
-        super().__init__(f"diloco-h{sync_every}", config, micro_batches_per_update, sync_every, schedule)
+        super().__init__(name, config, micro_batches_per_update, model, schedule)
         rank, world = dist.get_rank(), dist.get_world_size()
         # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
         # others through the default group's store-backed broadcast.
@@ -175,33 +153,20 @@ class TorchftDiLoCoMethod(_InnerLoop):
         address = [self._lighthouse.address() if self._lighthouse is not None else None]
         dist.broadcast_object_list(address, src=0)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        model = self.model
 
         def load_state_dict(state: dict[str, Any]) -> None:
             model.load_state_dict(state["model"])
 
+        # use_async_quorum=False: DiLoCo requires it. init_sync=False: every rank built the same
+        # model from the same seed; with init_sync, the first quorum would make one replica
+        # fetch the other's state over HTTP mid-run.
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            min_replica_size=world,
-            load_state_dict=load_state_dict,
-            state_dict=lambda: {"model": model.state_dict()},
-            replica_id=f"rank{rank}",
-            store_addr="127.0.0.1",
-            store_port=self._store.port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=address[0],
-            hostname="127.0.0.1",
-            use_async_quorum=False,  # DiLoCo requires it
-            # Every rank built the same model from the same seed. With init_sync, the first
-            # quorum would make one replica fetch the other's state over HTTP mid-run.
-            init_sync=False,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-        )
-        self.outer = torch.optim.SGD(self.model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        self.diloco = DiLoCo(self.manager, [self.model], self.inner, self.outer, sync_every=sync_every)
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, load_state_dict=load_state_dict,
+            state_dict=lambda: {"model": model.state_dict()}, replica_id=f"rank{rank}", store_addr="127.0.0.1",
+            store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=address[0], hostname="127.0.0.1",
+            use_async_quorum=False, init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
         self.diloco.__enter__()  # registers its hooks on the inner optimizer
         self.synced = [p.detach().clone() for p in self._params]
 
@@ -215,12 +180,6 @@ class TorchftDiLoCoMethod(_InnerLoop):
             for s, p in zip(self.synced, self._params):
                 s.copy_(p)
         return True
-
-    def finish(self) -> bool:
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
-        return False
 
     def close(self) -> None:
         """Leave torchft (collective: the lighthouse goes once every rank is done)."""

@@ -2,30 +2,15 @@
 tensor bytes by kind (at rest and at the end of a backward) and as peak resident memory.
 
     python benchmarks/memory.py            # 2 and 4 ranks, fp32 and bf16, plain torchrun
+    python benchmarks/memory.py --quick    # 2 ranks, fp32: a smoke run, into results/scratch/
 
 Each method trains in fresh processes: ``--warmup`` updates (so every lazily allocated
-buffer exists), then ``--updates`` measured updates. Two figures per rank:
-
-- **tensor bytes by kind**, at rest (after ``step()``) and at the end of the last backward
-  of every measured round (the gradients of the round all exist; activations are freed),
-  the larger of the latter reported. Every rank walks the tensors its optimizer holds
-  (attributes, lists, dicts, the base optimizer's state), then the ``p.grad`` of every
-  parameter; each storage is counted once, under the first name it is found by, so views
-  (acco's ``p.grad`` views of its accumulator, the round's in-place reduce-scatter and
-  all-gather) cost nothing. Anything unrecognised is listed under "other" with its path.
-  DDP's buckets are not reachable from Python: without ``gradient_as_bucket_view`` they are
-  taken from DDP's own ``bucket_sizes``; with it they are the ``p.grad`` storages.
-- **peak resident memory added by training**: ``VmHWM`` over the measured updates (reset
-  by writing 5 to ``/proc/self/clear_refs`` once the warm-up is done) minus the resident
-  memory before the model was built, minus the parameters. The ranks run with
-  ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor larger than 64 KiB is its own mapping
-  and freed memory leaves the resident set at once: the peak is the true high-water mark of
-  what is allocated (activations and the base optimizer's temporaries included), on every
-  thread (the comm lane's too).
-
-DDP + ZeRO-1 uses ``gradient_as_bucket_view=True`` (the lean setting its users pick); plain
-DDP uses DDP's defaults. The model is the example's GPT at about 25M parameters with short
-micro-batches, so the buffers, not the activations, dominate.
+buffer exists), then ``--updates`` measured updates. Tensors are counted by :func:`account`;
+the peak resident memory is ``VmHWM`` over the measured updates minus what was resident
+before the model was built, minus the parameters, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
+that a freed tensor leaves the resident set at once (benchmarks/README.md, "Memory"). The
+model is the example's GPT at about 25M parameters with short micro-batches, so that the
+buffers, not the activations, dominate.
 """
 
 from __future__ import annotations
@@ -34,50 +19,32 @@ import argparse
 import gc
 import math
 import os
-import sys
-import tempfile
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
+import common
+from examples.train_gpt import Dist
+
 import torch
 import torch.distributed as dist
-from common import RESULTS_DIR, ModelConfig, batches, build_method, launch, read_json, start_ranks, training_text, write_json
 from torch import Tensor
 
-from acco import AccoOptimizer
+__all__ = ["BENCHMARK", "account", "blocks", "runtimes", "targets"]
 
 METHODS = ("ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CATEGORIES = ("parameters", "gradients", "gradient buffers", "communication buffers", "master shard",
-              "optimizer state", "estimate copy", "other")
-MALLOC_MMAP_THRESHOLD = "65536"
+KINDS = ("parameters", "gradients", "gradient buffers", "communication buffers", "master shard", "optimizer state",
+         "estimate copy")
+ACCO_BUFFERS = {"grad_accumulator": "gradient buffers", "grad_handover": "gradient buffers",
+                "gathered": "communication buffers", "master": "master shard", "master_grad": "master shard",
+                "estimate_copy": "estimate copy"}
 # About 25M parameters, short micro-batches: the buffers dominate the activations.
-MEMORY_MODEL = ModelConfig(n_layer=8, n_embd=512, n_head=8, seq_len=64, batch_size=1)
-
-# Where a tensor held by an optimizer belongs, by the attribute it is held under.
-ATTRIBUTE_CATEGORY = {
-    "grad_accumulator": "gradient buffers",
-    "grad_handover": "gradient buffers",
-    "grads": "gradient buffers",
-    "gathered": "communication buffers",
-    "_gathered": "communication buffers",
-    "gather_input": "communication buffers",
-    "grad_shard": "communication buffers",
-    "_scratch": "communication buffers",
-    "_buckets": "communication buffers",
-    "master": "master shard",
-    "_master": "master shard",
-    "master_grad": "master shard",
-    "_master_grad": "master shard",
-    "master_views": "master shard",
-    "estimate_copy": "estimate copy",
-}
+MEMORY_MODEL = common.ModelConfig(n_layer=8, n_embd=512, n_head=8, seq_len=64, batch_size=1)
+TARGET_SLACK = 1.1  # model sizes (in the reduce dtype) above ZeRO-1
+MiB = 2**20
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--ranks", type=int, nargs="+", default=[2, 4])
     add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -85,226 +52,262 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--micro-batches", type=int, default=2, help="per update (acco: half per round)")
     add("--warmup", type=int, default=2, help="updates before measuring")
     add("--updates", type=int, default=1, help="measured updates")
-    add("--out", default=None)
     add("--merge", action="store_true", help="replace the matching runs of --out, keep the others")
-    add("--no-report", action="store_true")
-    add("--method", default=None, help=argparse.SUPPRESS)
-    add("--dtype", default="fp32", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # set by the driver for its rank launches
+    add("--dtype", default="fp32", choices=list(DTYPES), help=argparse.SUPPRESS)
 
 
-def proc_status_kib(field: str) -> int:
+def quick(args: argparse.Namespace) -> None:
+    args.ranks, args.dtypes = [2], ["fp32"]
+
+
+def proc_status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
 
 
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+def account(method: common.Method) -> dict[str, Any]:
+    """This rank's tensor bytes per kind now (see the module docstring)."""
+    sizes, seen = dict.fromkeys(KINDS, 0), set()
 
+    def add(t: Tensor, kind: str) -> None:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen and key[1]:
+            seen.add(key)
+            sizes[kind] += key[1]
 
-def storage_key(t: Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
-class Accounting:
-    """Bytes per category, each storage counted once, under the first name it is found by."""
-
-    def __init__(self) -> None:
-        self.bytes = dict.fromkeys(CATEGORIES, 0)
-        self.seen: set[tuple[int, int]] = set()
-        self.other: list[str] = []
-
-    def add(self, t: Tensor, category: str, path: str = "") -> None:
-        key = storage_key(t)
-        if key in self.seen or key[1] == 0:
-            return
-        self.seen.add(key)
-        self.bytes[category] += key[1]
-        if category == "other":
-            self.other.append(f"{path}: {tuple(t.shape)} {t.dtype}")
-
-    def walk(self, obj: Any, path: str, category: str | None, visited: set[int]) -> None:
-        """Every tensor reachable from ``obj`` through containers, optimizers and acco's objects."""
-        if isinstance(obj, Tensor):
-            self.add(obj, category or "other", path)
-            return
-        if id(obj) in visited:
-            return
-        visited.add(id(obj))
-        if isinstance(obj, dict):
-            for key, value in obj.items():
-                if isinstance(key, Tensor):  # optimizer state is keyed by its parameter
-                    self.walk(key, f"{path}[key]", category, visited)
-                name = key if isinstance(key, str) else "[]"
-                self.walk(value, f"{path}.{name}", ATTRIBUTE_CATEGORY.get(name, category), visited)
-        elif isinstance(obj, (list, tuple, set, deque)):
-            for i, value in enumerate(obj):
-                self.walk(value, f"{path}[{i}]", category, visited)
-        elif isinstance(obj, torch.optim.Optimizer) or type(obj).__module__.startswith("acco"):
-            for name, value in vars(obj).items():
-                sub = ATTRIBUTE_CATEGORY.get(name, category)
-                if name == "state" and isinstance(obj, torch.optim.Optimizer):
-                    sub = "optimizer state"
-                self.walk(value, f"{path}.{name}", sub, visited)
-
-
-def account(method: Any) -> dict[str, Any]:
-    """This rank's tensor bytes per category now."""
-    model = getattr(method.model, "module", method.model)
-    acc = Accounting()
-    params = list(model.parameters())
+    params = list(method.module.parameters())
     for p in params:
-        acc.add(p, "parameters")
-    opt = method.optimizer()
-    if opt is not None:
-        acc.walk(opt, "opt", None, set())
+        add(p, "parameters")
+    acco = isinstance(method, common.AccoMethod)
+    if acco:
+        for group in method.opt.buffer_bytes():
+            for buffer, nbytes in group.items():
+                sizes[ACCO_BUFFERS[buffer]] += nbytes
+    for opt in base_optimizers(method):
+        for state in opt.state.values():
+            for t in state.values():
+                if isinstance(t, Tensor):
+                    add(t, "optimizer state")
     for p in params:
-        if p.grad is not None:  # after the optimizer: acco's p.grad views are its accumulator
-            acc.add(p.grad, "gradients")
-    if hasattr(method.model, "_get_ddp_logging_data"):
-        data = method.model._get_ddp_logging_data()
-        buckets = sum(int(s) for s in str(data["bucket_sizes"]).split(", ") if s)
-        if not data.get("gradient_as_bucket_view"):
-            acc.bytes["gradient buffers"] += buckets
-        elif not any(p.grad is not None for p in params):
-            acc.bytes["gradients"] += buckets  # p.grad = None between steps; the buckets stay
-    return {"bytes": dict(acc.bytes), "total": sum(acc.bytes.values()), "other_tensors": acc.other}
+        if p.grad is not None and not (acco and p.grad.untyped_storage().nbytes() > p.grad.nbytes):
+            add(p.grad, "gradients")  # (a view into a larger storage is acco's accumulator, counted above)
+    if method.spec.family == "ddp":
+        buckets = sum(p.nbytes for p in params if p.requires_grad)
+        if not method.model.gradient_as_bucket_view:
+            sizes["gradient buffers"] += buckets
+        elif all(p.grad is None for p in params):
+            sizes["gradients"] += buckets  # p.grad = None between steps; the buckets stay
+    return {"bytes": sizes, "total": sum(sizes.values())}
 
 
-def state_elements(opt: Any) -> int:
-    """Elements of one AdamW moment (``exp_avg``) on this rank."""
-    if isinstance(opt, AccoOptimizer):
-        return sum(s["exp_avg"].numel() for b in opt.base_optimizers if b is not None for s in b.state.values())
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
-    return sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
+def base_optimizers(method: common.Method) -> list[torch.optim.Optimizer]:
+    """The optimizers holding this rank's state (ZeroRedundancyOptimizer wraps its local one)."""
+    if isinstance(method, common.AccoMethod):
+        return [b for b in method.opt.base_optimizers if b is not None]
+    return [getattr(method.opt, "optim", method.opt)]
 
 
-def measure(name: str, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
-    ctx = start_ranks()
+def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = MEMORY_MODEL
-    train_data, _ = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
-    from examples.train_gpt import loss_fn
-
+    train_data, _ = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
     gc.collect()
-    rss_before_model = proc_status_kib("VmRSS")
-    method = build_method(name, config, args.micro_batches, dtype=DTYPES[dtype_name], bucket_view=name == "ddp-zero1")
-    model = getattr(method.model, "module", method.model)
-    numel = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.nbytes for p in model.parameters())
-
-    def micro_batch(last: bool) -> None:
-        # The methods' own micro_batch(), except that the accounting looks at the tensors
-        # right after the round's last backward (before acco folds or DDP's step frees).
-        if not last:
-            method.micro_batch(*next_batch())
-            return
-        x, y = next_batch()
-        ddp = hasattr(method.model, "no_sync")
-        if ddp:
-            method._count += 1
-        loss = loss_fn(method.model, x, y)
-        (loss / method.micro_batches_per_round if ddp else loss).backward()
-        backward_peaks.append(account(method))
-        if isinstance(method.optimizer(), AccoOptimizer):
-            method.optimizer().accumulate()
-
-    backward_peaks: list[dict[str, Any]] = []
-    rounds_warmup = args.warmup * method.rounds_per_update
-    for r in range(rounds_warmup + args.updates * method.rounds_per_update):
-        if r == rounds_warmup:
-            backward_peaks.clear()
-            gc.collect()
-            dist.barrier()
-            at_rest = account(method)
-            reset_peak_rss()
-        for i in range(method.micro_batches_per_round):
-            micro_batch(last=i == method.micro_batches_per_round - 1)
-        method.end_round()
-    peak_rss = proc_status_kib("VmHWM")
-    opt = method.optimizer()
-    result = {
-        "at_rest": at_rest,
-        "end_of_backward": max(backward_peaks, key=lambda a: a["total"]),
-        "parameters": numel,
-        "param_bytes": param_bytes,
-        "peak_rss_added_bytes": peak_rss - rss_before_model - param_bytes,
-        "peak_rss_bytes": peak_rss,
-        "rss_before_model_bytes": rss_before_model,
-        "state_elements_per_tensor": state_elements(opt),
-        "ceil_p_over_n": math.ceil(numel / ctx.world_size),
-    }
-    if isinstance(opt, AccoOptimizer):
-        if hasattr(opt._groups[0], "buffer_bytes"):  # absent before the memory work
-            result["buffer_bytes"] = [g.buffer_bytes() for g in opt._groups]
-        result["reduce_itemsize"] = opt._groups[0].reduce_dtype.itemsize
-    else:
-        result["reduce_itemsize"] = DTYPES[dtype_name].itemsize
-    method.finish()
+    rss_before_model = proc_status_bytes("VmRSS")
+    result = measure(common.build_method(args.method, config, args.micro_batches, dtype=DTYPES[args.dtype],
+                                         bucket_view=args.method == "ddp-zero1"), args, next_batch)
+    # measure() let go of DDP / ZeRO / acco while the process group still exists: a gloo-backed
+    # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
+    gc.collect()
+    result.update(rss_before_model_bytes=rss_before_model,
+                  peak_rss_added_bytes=result["peak_rss_bytes"] - rss_before_model - result["param_bytes"],
+                  ceil_p_over_n=math.ceil(result["parameters"] / ctx.world_size),
+                  reduce_itemsize=DTYPES[args.dtype].itemsize)  # acco reduces in the parameters' dtype by default
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, result)
-    # Tear down DDP / ZeRO / acco while the process group still exists: a gloo-backed
-    # object destroyed after destroy_process_group() was seen to hang rank 0 at exit.
-    del method, model, opt
+    return {"method": args.method, "dtype": args.dtype, "ranks": ctx.world_size, "per_rank": gathered}
+
+
+def measure(method: common.Method, args: argparse.Namespace, next_batch: Any) -> dict[str, Any]:
+    """Warm-up, then the measured updates: tensors at rest, at the end of each round's last
+    backward (before acco folds it or DDP's step frees it), and the peak resident memory."""
+    at_backward: list[dict[str, Any]] = []
+
+    def after_backward(index: int) -> None:
+        if index == method.micro_batches_per_round - 1:
+            at_backward.append(account(method))
+
+    for _ in range(args.warmup * method.rounds_per_update):
+        common.train_round(method, next_batch)
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
-    return {"method": name, "dtype": dtype_name, "ranks": ctx.world_size, "per_rank": gathered}
+    at_rest = account(method)
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    for _ in range(args.updates * method.rounds_per_update):
+        common.train_round(method, next_batch, after_backward=after_backward)
+    result = {"at_rest": at_rest, "end_of_backward": max(at_backward, key=lambda a: a["total"]),
+              "peak_rss_bytes": proc_status_bytes("VmHWM"),
+              "parameters": sum(p.numel() for p in method.module.parameters()),
+              "param_bytes": sum(p.nbytes for p in method.module.parameters()),
+              "state_elements_per_tensor": sum(s["exp_avg"].numel() for b in base_optimizers(method)
+                                               for s in b.state.values() if "exp_avg" in s)}
+    if isinstance(method, common.AccoMethod):
+        result["buffer_bytes"] = method.opt.buffer_bytes()
+    method.finish()
+    return result
 
 
-def driver(args: argparse.Namespace) -> None:
-    out = Path(args.out) if args.out else RESULTS_DIR / "memory.json"
-    started = time.perf_counter()
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "benchmark": "memory",
+        "benchmark": "memory", "torch": torch.__version__, "runs": [],
         "config": {**MEMORY_MODEL.as_dict(), "micro_batches_per_update": args.micro_batches,
                    "warmup_updates": args.warmup, "measured_updates": args.updates},
-        "torch": torch.__version__,
-        "runs": [],
     }
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MALLOC_MMAP_THRESHOLD  # inherited by the ranks
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the ranks
     for ranks in args.ranks:
-        for dtype_name in args.dtypes:
+        for dtype in args.dtypes:
             for name in args.methods:
-                print(f"memory: {ranks} ranks, {dtype_name}, {name}", flush=True)
-                with tempfile.TemporaryDirectory() as tmp:
-                    rank_out = Path(tmp) / "run.json"
-                    launch(ranks, [str(Path(__file__).resolve()), "--micro-batches", str(args.micro_batches),
-                                   "--warmup", str(args.warmup), "--updates", str(args.updates),
-                                   "--method", name, "--dtype", dtype_name, "--out", str(rank_out)], netns=False)
-                    results["runs"].append(read_json(rank_out))
-    results["runtime_s"] = time.perf_counter() - started
-    if args.merge and out.exists():
-        previous = read_json(out)
-        measured = {(r["method"], r["dtype"], r["ranks"]) for r in results["runs"]}
-        kept = [r for r in previous["runs"] if (r["method"], r["dtype"], r["ranks"]) not in measured]
+                print(f"memory: {ranks} ranks, {dtype}, {name}", flush=True)
+                results["runs"].append(common.run_ranks(args, ranks, "--method", name, "--dtype", dtype))
+    if args.merge and args.out.exists():
+        previous = common.read_json(args.out)
         order = {(r["method"], r["dtype"], r["ranks"]): i for i, r in enumerate(previous["runs"])}
-        runs = sorted(kept + results["runs"], key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
-        results = {**previous, "runs": runs, "runtime_s": previous["runtime_s"]}
-    write_json(out, results)
-    print(f"wrote {out} ({results['runtime_s']:.0f} s)")
-    if not args.no_report:
-        import report
-
-        report.main([])
+        measured = {(r["method"], r["dtype"], r["ranks"]) for r in results["runs"]}
+        runs = [r for r in previous["runs"] if (r["method"], r["dtype"], r["ranks"]) not in measured] + results["runs"]
+        runs.sort(key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
+        results = {**previous, "runs": runs}
+    return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:
-        if args.method is None:
-            raise SystemExit("a rank launch needs --method")
-        result = measure(args.method, args.dtype, args)
-        if int(os.environ["RANK"]) == 0:
-            write_json(Path(args.out or RESULTS_DIR / f"memory-{args.method}.json"), result)
-    else:
-        driver(args)
+# ------------------------------------------------------------------------------------ tables
 
+
+def worst(run: dict[str, Any]) -> dict[str, Any]:
+    """The rank with the most tensor bytes at the end of a backward (shards differ a little)."""
+    return max(run["per_rank"], key=lambda r: r["end_of_backward"]["total"])
+
+
+def tensor_bytes(run: dict[str, Any]) -> int:
+    return worst(run)["end_of_backward"]["total"]
+
+
+def peak_rss(run: dict[str, Any]) -> int:
+    return max(r["peak_rss_added_bytes"] for r in run["per_rank"])
+
+
+def model_size(run: dict[str, Any]) -> int:
+    """P x bytes of the reduce dtype: the unit of the targets."""
+    return worst(run)["parameters"] * worst(run)["reduce_itemsize"]
+
+
+def above_zero1(data: dict[str, Any]) -> dict[tuple[int, str, str], dict[str, Any]]:
+    """Per acco run: its bytes above DDP + ZeRO-1 in model sizes, and the target."""
+    zero = {(r["ranks"], r["dtype"]): r for r in data["runs"] if r["method"] == "ddp-zero1"}
+    out = {}
+    for run in data["runs"]:
+        base = zero.get((run["ranks"], run["dtype"]))
+        if base is None or not run["method"].startswith("acco"):
+            continue
+        kinds, zero_kinds = worst(run)["end_of_backward"]["bytes"], worst(base)["end_of_backward"]["bytes"]
+        model, rss = model_size(run), (peak_rss(run) - peak_rss(base)) / model_size(run)
+        target = TARGET_SLACK
+        if run["method"] == "acco":  # plus one copy of this rank's master shard and optimizer state
+            target += (4 * worst(run)["state_elements_per_tensor"] + kinds["optimizer state"]) / model
+        # acco keeps an fp32 master shard and fp32 optimizer state whatever the parameters'
+        # dtype; ZeRO-1 steps bf16 parameters with bf16 state. What that precision costs:
+        precision = kinds["master shard"] + kinds["optimizer state"] - zero_kinds["optimizer state"]
+        tensors = (tensor_bytes(run) - tensor_bytes(base)) / model
+        out[(run["ranks"], run["dtype"], run["method"])] = {"target": target, "precision": precision / model,
+                                                            "tensors": tensors, "rss": rss,
+                                                            "met": max(tensors, rss) <= target}
+    return out
+
+
+def table(data: dict[str, Any], baseline: dict[str, Any] | None = None) -> str:
+    out, found = [], above_zero1(data)
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        groups.setdefault((run["ranks"], run["dtype"]), []).append(run)
+    for (ranks, dtype), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "fp32")):
+        rows = []
+        for run in runs:
+            end, model, t = worst(run)["end_of_backward"], model_size(run), found.get((ranks, dtype, run["method"]))
+            verdict = "" if t is None else (
+                f"{t['tensors']:+.2f} / {t['rss']:+.2f} (<= {t['target']:.2f}: {'met' if t['met'] else '**not met**'})"
+                + ("" if dtype == "fp32" else
+                   f"; of which fp32 master/state over ZeRO-1's bf16 state {t['precision']:+.2f}, the rest "
+                   f"{t['tensors'] - t['precision']:+.2f}: "
+                   + ("met" if t["tensors"] - t["precision"] <= t["target"] else "**not met**")))
+            rows.append([common.label(run["method"]), *[f"{end['bytes'].get(k, 0) / MiB:.1f}" for k in KINDS],
+                         f"**{end['total'] / MiB:.1f}** ({end['total'] / model:.2f})",
+                         f"{worst(run)['at_rest']['total'] / MiB:.1f}",
+                         f"{peak_rss(run) / MiB:.0f} ({peak_rss(run) / model:.2f})", verdict])
+        note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > 2 else ""
+        out += [f"**{ranks} ranks, {dtype} parameters{note}**: MiB per rank (the largest rank); in brackets, model "
+                "sizes (P x bytes of the reduce dtype)", "",
+                common.md_table(["method", *KINDS, "total, end of a backward", "total at rest", "peak RSS added",
+                                 "above ZeRO-1: tensors / RSS, model sizes (target)"], rows), ""]
+    if baseline:
+        before = {(r["ranks"], r["dtype"], r["method"]): r for r in baseline["runs"]}
+        rows = [[str(run["ranks"]), run["dtype"], common.label(run["method"]),
+                 f"{tensor_bytes(old) / MiB:.1f} -> {tensor_bytes(run) / MiB:.1f}",
+                 f"{peak_rss(old) / MiB:.0f} -> {peak_rss(run) / MiB:.0f}"]
+                for run in data["runs"] if (old := before.get((run["ranks"], run["dtype"], run["method"])))]
+        out += ["Before (commit 999678c, `results/memory-baseline.json`) -> after, MiB per rank:", "",
+                common.md_table(["ranks", "params", "method", "tensors, end of a backward", "peak RSS added"], rows),
+                ""]
+    return "\n".join(out)
+
+
+def summary(data: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    """The repository README's figures: tensors per rank before and after, against ZeRO-1."""
+    before = {(r["ranks"], r["dtype"], r["method"]): r for r in (baseline or {}).get("runs", [])}
+    found, rows = above_zero1(data), []
+    for run in data["runs"]:
+        key, model = (run["ranks"], run["dtype"], run["method"]), model_size(run)
+        t = found.get(key)
+        rows.append([str(run["ranks"]), run["dtype"], common.label(run["method"]),
+                     f"{tensor_bytes(before[key]) / model:.2f}" if key in before else "",
+                     f"{tensor_bytes(run) / model:.2f}", f"{peak_rss(run) / model:.2f}",
+                     "" if t is None else f"{t['tensors']:+.2f} (target <= {t['target']:.2f}: "
+                     + ("met" if t["met"] else "not met") + ")"])
+    return ("In model sizes (P x bytes of the reduce dtype), per rank, the largest rank; P = "
+            f"{worst(data['runs'][0])['parameters'] / 1e6:.1f}M; before = commit 999678c:\n\n"
+            + common.md_table(["ranks", "params", "method", "tensors before", "tensors after (end of a backward)",
+                               "peak RSS added", "above ZeRO-1"], rows))
+
+
+def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
+    data = results.get("memory")
+    if data is None:
+        return {}
+    return {"memory": table(data, results.get("memory-baseline")),
+            "memory-summary": summary(data, results.get("memory-baseline"))}
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    data = results.get("memory")
+    if data is None:
+        return []
+    rows: list[tuple[str, str, bool | None]] = [
+        (f"{ranks} ranks, {dtype}: {common.label(method)} peak per rank <= ZeRO-1 + {t['target']:.2f} model sizes "
+         "(tensors at the end of a backward / peak RSS)", f"{t['tensors']:+.2f} / {t['rss']:+.2f}", t["met"])
+        for (ranks, dtype, method), t in above_zero1(data).items()]
+    for run in data["runs"]:
+        if run["method"] == "acco" and run["dtype"] == "fp32":
+            most = max(r["state_elements_per_tensor"] for r in run["per_rank"])
+            ceil = run["per_rank"][0]["ceil_p_over_n"]
+            rows.append((f"{run['ranks']} ranks: acco's optimizer state per rank = ceil(P/N) + padding",
+                         f"{most:,} elements per moment, ceil(P/N) = {ceil:,} (padding {most - ceil:+,})",
+                         0 <= most - ceil < 2 * run["ranks"]))
+    return rows
+
+
+def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
+    return [("memory", results["memory"]["runtime_s"])] if "memory" in results else []
+
+
+BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main(BENCHMARK)

@@ -1,26 +1,14 @@
 """Run N ranks on this machine behind a rate-limited network.
 
 A fresh network namespace whose loopback carries a token-bucket filter (``tc qdisc ... tbf``)
-stands in for a slow cluster network: every rank runs inside it and talks to the others on
-127.0.0.1, so every byte of every collective crosses the limited link. The namespace is
-always removed afterwards (also on Ctrl-C, SIGTERM or a failing command).
+stands in for a slow cluster network: every rank talks to the others on 127.0.0.1, so every
+byte of every collective crosses the limited link, shared by all ranks. The namespace is
+always removed afterwards (also on Ctrl-C, SIGTERM or a failing command). Needs root (or
+CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; what the link is and is not:
+benchmarks/README.md, "A slow cluster on one machine".
 
-    sudo python benchmarks/netns.py --nproc 2 --rate 200mbit -- benchmarks/throughput.py --worker ...
-    sudo python benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
-
-Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). netem is not
-needed; tbf is in every kernel. Notes on what the link is:
-
-- all ranks share one loopback device, so the rate limits the *sum* of every rank's
-  traffic (a shared link, as for ranks behind one switch port), not each rank's own link;
-- ``burst`` must be at least one loopback packet (64 KiB with GSO) or nothing passes;
-  256kb (tc's ``kb`` is kilobytes) is the default;
-- over the limit, packets queue up to ``latency`` and are then dropped, and TCP backs off:
-  the goodput is somewhat below the rate, which is why the benchmarks calibrate the rate
-  by measuring, not by dividing bytes by the rate.
-
-The benchmarks themselves do not need this launcher: they run unchanged under plain
-``torchrun`` on a real cluster.
+    sudo $(which python) benchmarks/netns.py --nproc 2 --rate 200mbit -- examples/train_gpt.py
+    sudo $(which python) benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
 """
 
 from __future__ import annotations
@@ -97,37 +85,21 @@ def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAU
 
 def torchrun_command(nproc: int, script_and_args: Sequence[str], port: int = MASTER_PORT) -> list[str]:
     """``torchrun`` for ``nproc`` ranks on one node, all on 127.0.0.1 (the namespace's loopback)."""
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(port),
-        *script_and_args,
-    ]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *script_and_args]
 
 
-def run_ranks(
-    nproc: int,
-    script_and_args: Sequence[str],
-    rate: str | None = None,
-    *,
-    burst: str = DEFAULT_BURST,
-    latency: str = DEFAULT_LATENCY,
-    env: dict[str, str] | None = None,
-    timeout: float | None = None,
-) -> int:
+def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = None, *, burst: str = DEFAULT_BURST,
+              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None, timeout: float | None = None) -> int:
     """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace.
 
     Returns torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the namespace's name)
     and ``ACCO_BENCH_RATE`` in their environment; gloo is pinned to the loopback device.
     """
     with namespace(rate, burst, latency) as name:
-        child_env = {
-            **os.environ,
-            **(env or {}),
-            "ACCO_BENCH_NETNS": name,
-            "ACCO_BENCH_RATE": rate or "unlimited",
-            "GLOO_SOCKET_IFNAME": "lo",  # the host name does not resolve to an address in the namespace
-        }
+        # GLOO_SOCKET_IFNAME: the host name does not resolve to an address in the namespace.
+        child_env = {**os.environ, **(env or {}), "ACCO_BENCH_NETNS": name, "ACCO_BENCH_RATE": rate or "unlimited",
+                     "GLOO_SOCKET_IFNAME": "lo"}
         command = ["ip", "netns", "exec", name, *torchrun_command(nproc, script_and_args)]
         process = subprocess.Popen(command, env=child_env, start_new_session=True)
         try:

@@ -1,426 +1,486 @@
 """Throughput: samples/s of acco against DDP + ZeRO-1, plain DDP and the compute-only
 roofline, at equal micro-batches per optimizer update, behind a rate-limited network.
 
-The whole sweep (calibration, every rate, 2 and 4 ranks; needs root for the namespace):
-
-    sudo $(which python) benchmarks/throughput.py            # about 50 min on 2 cores
+    sudo $(which python) benchmarks/throughput.py            # calibration, 3 rates x 2 and 4 ranks: ~50 min
     sudo $(which python) benchmarks/throughput.py --quick    # 2 ranks, 1 repeat: a few minutes
-
-One configuration on a real cluster (no namespace, the network you have), every method
-side by side, results on rank 0:
-
+    sudo $(which python) benchmarks/throughput.py --quick --rates unlimited --baseline /tmp/acco-352a168
     torchrun --nnodes=2 --nproc-per-node=1 ... benchmarks/throughput.py --out throughput-cluster.json
 
-How it measures. Every method trains the same GPT on the same micro-batches; one update is
-``--micro-batches`` micro-batches per rank (acco: two rounds of half as many). After
-``--warmup-updates`` the clock runs from one round boundary to the last one
-``--updates`` later (steady state: a pipeline's fill and drain happen once per training
-run and are left out); samples/s is every rank's micro-batches in that window times the
-micro-batch size over the window, which opens and closes with a barrier at those two round
-boundaries. The methods run one after another in one process group, in a rotated order,
-``--repeats`` times; the tables give medians and ratios taken within a repeat (side by
-side). Before each method the ranks wait until other processes leave the CPU idle, and
-the JSON records the CPU share other processes took during each window. The accumulate-while-communicating loop
-(``acco-aww``) keeps computing micro-batches while the round in flight has not landed, so
-its micro-batches per update are not fixed: that is the point of it.
+After ``--warmup-updates`` the clock runs, between two barriers, from one round boundary to
+the one ``--updates`` later (steady state: a pipeline's fill and drain happen once per
+training run). Methods run one after another in one process group, in a rotated order,
+``--repeats`` times; tables give medians of samples/s and of the ratios taken within a
+repeat. ``comm~compute`` is the tbf rate at which one acco round of communication, measured
+alone, takes as long as one acco round of compute; ``comm~3x`` three times as long; the
+driver finds both by measuring (benchmarks/README.md, "Throughput").
 
-Rates. ``comm~compute`` is the tbf rate at which one round of acco's communication (the
-reduce-scatter and all-gather of one round, measured alone) takes as long as one acco
-round of compute (``--micro-batches``/2 micro-batches, all ranks computing at once);
-``comm~3x`` makes it three times longer. The driver calibrates both per rank count by
-measuring, and records the rates and the measured ratios in the JSON.
+``--baseline PATH`` runs every method twice per repeat, with this checkout's acco and with
+PATH's (another checkout, e.g. a ``git worktree`` of an older commit), interleaved, and
+prints both medians and their ratio per method. The methods without acco run the same code
+twice: their ratios show the noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
-import platform
 import statistics
-import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401  (puts the repo root on sys.path)
+import common
+from examples.train_gpt import Dist, loss_fn
+
+import acco
 import torch
 import torch.distributed as dist
-from common import (
-    METHODS,
-    ForeignLoad,
-    RESULTS_DIR,
-    ModelConfig,
-    all_reduce_max,
-    all_reduce_sum,
-    batches,
-    build_method,
-    launch,
-    lo_tx_bytes,
-    read_json,
-    start_ranks,
-    training_text,
-    wait_for_quiet,
-    write_json,
-)
-from examples.train_gpt import loss_fn
 
-from acco import AccoOptimizer, RoundKind
+__all__ = ["BENCHMARK", "blocks", "calibrate_rates", "runtimes", "targets"]
 
 RATE_LABELS = ("unlimited", "comm~compute", "comm~3x")
+COMPUTE_LANE, COMM_LANE, GLOO = "compute lane (main thread)", "acco comm lane (thread)", "gloo I/O threads"
 RATE_RATIOS = {"comm~compute": 1.0, "comm~3x": 3.0}
+THROUGHPUT_METHODS = [n for n, s in common.METHODS.items() if s.family != "diloco"]
+DEFAULT_METHODS = ["roofline", "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-aww", "acco-bf16",
+                   "acco-fp8"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to sweep (driver)")
-    add("--rates", nargs="+", default=list(RATE_LABELS), choices=RATE_LABELS, help="rates to sweep (driver)")
-    add("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    add("--micro-batches", type=int, default=4, help="micro-batches per rank per optimizer update (even)")
+    add("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts to sweep")
+    add("--rates", nargs="+", default=list(RATE_LABELS), choices=RATE_LABELS, help="rates to sweep")
+    add("--methods", nargs="+", default=DEFAULT_METHODS, choices=THROUGHPUT_METHODS)
+    add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--warmup-updates", type=int, default=1)
     add("--updates", type=int, default=3, help="updates in the timed window")
-    add("--repeats", type=int, default=3)
-    add("--n-layer", type=int, default=4)
-    add("--n-embd", type=int, default=256)
-    add("--seq-len", type=int, default=128)
-    add("--batch-size", type=int, default=8)
-    add("--out", default=None, help="JSON output (default: benchmarks/results/throughput.json)")
-    add("--no-report", action="store_true", help="do not regenerate the README tables and plots (driver)")
-    add("--quick", action="store_true", help="2 ranks, 1 repeat, 2 timed updates: a smoke run of a few minutes")
-    # Set by the driver for its rank launches.
-    add("--calibrate", action="store_true", help=argparse.SUPPRESS)
+    add("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
+    common.model_arguments(parser, common.ModelConfig())
+    add("--baseline", type=Path, default=None, help="another checkout's root: A/B of its acco against this one's")
+    add("--calibrate", action="store_true", help=argparse.SUPPRESS)  # set by the driver for its rank launches
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
-    add("--label", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def quick(args: argparse.Namespace) -> None:
+    args.ranks, args.updates, args.repeats = [2], 2, args.repeats or 1
+
+
+def check(args: argparse.Namespace) -> str | None:
+    args.repeats = args.repeats or 3
+    if args.baseline is not None:  # an A/B run is printed, not a README figure
+        args.no_report = True
+        if "--out" not in args.argv:
+            args.out = common.SCRATCH_DIR / "throughput-vs-baseline.json"
     if args.warmup_updates < 1 or args.updates < 1:
-        parser.error("--warmup-updates and --updates must be at least 1")
-    if args.quick:
-        args.ranks, args.repeats, args.updates = [2], 1, 2
-    if args.micro_batches < 2 or args.micro_batches % 2:
-        parser.error("--micro-batches must be even (acco splits an update into two rounds)")
-    return args
+        return "--warmup-updates and --updates must be at least 1"
+    if args.baseline is not None and not (args.baseline / "acco" / "__init__.py").is_file():
+        return f"--baseline {args.baseline}: no acco/__init__.py there"
+    return None
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len, batch_size=args.batch_size)
+# ------------------------------------------------------------------------------ rank side
 
 
-# ---------------------------------------------------------------------------- rank side
+def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, rounds: int,
+               trace: Path | None = None) -> dict[str, Any]:
+    """Warm-up, then ``rounds`` rounds in a window that opens and closes with a barrier at two
+    round boundaries (steady state: a pipeline's fill and drain happen once per training run).
 
-
-def run_method(name: str, args: argparse.Namespace, config: ModelConfig, next_batch: Any) -> dict[str, Any]:
-    """Train ``name`` for warm-up + timed updates; the timed window's figures."""
-    method = build_method(name, config, args.micro_batches)
-    aww = name == "acco-aww"
-    per_round, per_update = method.micro_batches_per_round, method.rounds_per_update
-    total_updates = args.warmup_updates + args.updates
-    start_round = args.warmup_updates * per_update
-    computed = 0  # micro-batches this rank computed in the window
-    landed_before = 0
-    compute_s = boundary_s = 0.0
-    t0 = math.nan
-    bytes0: int | None = None
-    foreign = ForeignLoad()
-    waited = wait_for_quiet()
+    Every rank's figures (samples/s over the slowest window), and rank 0's view of where the
+    time went, per round (profile_lanes.py's table): its micro-batches' and boundaries' wall
+    and CPU time, its threads' CPU time and run-queue waits; ``trace``: a torch.profiler trace.
+    """
+    window = common.Window()
+    for _ in range(warmup_rounds):
+        common.train_round(method, next_batch)
+    landed_before = len(method.round_stats())
+    # The window is global: it opens when every rank has reached this boundary (ranks
+    # that share cores would otherwise each time a stretch where the others idle).
     dist.barrier()
-
-    def one_round(round_number: int) -> None:
-        nonlocal computed, compute_s, boundary_s, t0, bytes0, landed_before
-        started = time.perf_counter()
-        count = 0
-        for _ in range(per_round):
-            method.micro_batch(*next_batch())
-            count += 1
-        while aww and not method.ready():  # keep accumulating while the network works
-            method.micro_batch(*next_batch())
-            count += 1
-        computed_at = time.perf_counter()
-        method.end_round()
-        ended = time.perf_counter()
-        if round_number > start_round:
-            computed += count
-            compute_s += computed_at - started
-            boundary_s += ended - computed_at
-        if round_number == start_round:
-            landed_before = len(stats_of(method))
-            # The window is global: it opens when every rank has reached this boundary (ranks
-            # that share cores would otherwise each time a stretch where the others idle).
-            dist.barrier()
-            t0, bytes0 = time.perf_counter(), lo_tx_bytes()
-            foreign.start()
-
-    if aww:
-        # The documented loop: it ends on the same round on every rank.
-        opt: AccoOptimizer = method.optimizer()
-        round_number = 0
-        while opt.num_updates + (opt.in_flight is RoundKind.COMMIT) < total_updates:
-            round_number += 1
-            one_round(round_number)
-    else:
-        round_number = total_updates * per_update
-        for r in range(1, round_number + 1):
-            one_round(r)
-    landed = stats_of(method)[landed_before:]  # the rounds that landed inside the window
-    dist.barrier()
-    t1 = time.perf_counter()
-    bytes1 = lo_tx_bytes()
-    foreign_share = foreign.stop()
+    window.open()
+    threads0 = thread_times()
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    profiler = torch.profiler.profile(activities=cpu) if trace else contextlib.nullcontext()
+    with profiler:
+        records = [common.train_round(method, next_batch) for _ in range(rounds)]
+        threads = {kind: [(a - b) / rounds for a, b in zip(times, threads0.get(kind, (0.0, 0.0)))]
+                   for kind, times in thread_times().items()}
+        dist.barrier()
+        measured = window.close()
+    if trace is not None:
+        profiler.export_chrome_trace(str(trace))
+    lane = common.lane_summary(method.round_stats()[landed_before:])  # the rounds that landed in the window
     method.finish()
-    window = t1 - t0
-    rounds_in_window = round_number - start_round
-    (slowest,) = all_reduce_max([window])
-    total_mb, total_compute, total_boundary = all_reduce_sum([computed, compute_s, boundary_s])
-    world = dist.get_world_size()
-    result: dict[str, Any] = {
-        "samples_per_s": total_mb * config.batch_size / slowest,
-        "window_s": slowest,
-        "micro_batches_per_update": total_mb / world / args.updates,
-        "compute_s_per_round": total_compute / world / rounds_in_window,
-        "compute_s_per_micro_batch": total_compute / max(total_mb, 1),
-        "boundary_s_per_round": total_boundary / world / rounds_in_window,
-        "lo_bytes_per_update": None if bytes0 is None or bytes1 is None else (bytes1 - bytes0) / args.updates,
-        "foreign_cpu_share": foreign_share,
-        "waited_for_quiet_s": waited,
-    }
-    if landed:
-        result["lane"] = lane_telemetry(landed)
-    return result
-
-
-def stats_of(method: Any) -> list:
-    opt = method.optimizer()
-    return list(opt.round_stats) if isinstance(opt, AccoOptimizer) else []
-
-
-def lane_telemetry(rounds: list) -> dict[str, Any]:
-    """Means over the window's rounds (rank 0) of what the comm lane and the wait cost."""
-    if not rounds:
-        return {}
-    phases = sorted({p for r in rounds for p in r.phase_seconds})
+    (slowest,) = common.all_reduce([measured.pop("wall_s")], "max")
+    micro_batches, compute_s, boundary_s = common.all_reduce(
+        [sum(len(r.losses) for r in records), sum(r.compute_s for r in records), sum(r.boundary_s for r in records)])
+    world, lo_bytes, updates = dist.get_world_size(), measured.pop("lo_bytes"), rounds / method.rounds_per_update
+    mean = statistics.fmean
     return {
-        "rounds": len(rounds),
-        "lane_s": statistics.fmean(r.lane_seconds for r in rounds),
-        "wait_s": statistics.fmean(r.wait_seconds for r in rounds),
-        "hidden_share": statistics.fmean(r.hidden_share for r in rounds),
-        "phase_s": {p: statistics.fmean(r.phase_seconds.get(p, 0.0) for r in rounds) for p in phases},
+        "samples_per_s": micro_batches * method.config.batch_size / slowest, "window_s": slowest,
+        "micro_batches_per_update": micro_batches / world / updates,
+        "compute_s_per_round": compute_s / world / rounds,
+        "compute_s_per_micro_batch": compute_s / max(micro_batches, 1),
+        "boundary_s_per_round": boundary_s / world / rounds,
+        "lo_bytes_per_update": None if lo_bytes is None else lo_bytes / updates, **measured,
+        **({"lane": lane} if lane else {}),
+        "round_wall_s": slowest / rounds, "micro_batches_per_round": mean(len(r.losses) for r in records),
+        "micro_batch_wall_s": mean(t for r in records for t in r.micro_batch_s),
+        "micro_batch_cpu_s": mean(t for r in records for t in r.micro_batch_cpu_s),
+        "step_wall_s": mean(r.boundary_s for r in records), "step_cpu_s": mean(r.boundary_cpu_s for r in records),
+        "thread_cpu_s_per_round": {kind: t[0] for kind, t in threads.items()},
+        "thread_runqueue_wait_s_per_round": {kind: t[1] for kind, t in threads.items()},
     }
 
 
-def calibrate(args: argparse.Namespace, config: ModelConfig, next_batch: Any) -> dict[str, Any]:
+def thread_times() -> dict[str, tuple[float, float]]:
+    """This process's threads by kind (the compute lane, acco's comm lane, gloo's I/O threads,
+    others): CPU seconds and seconds spent runnable but waiting for a core (the scheduler's
+    run-queue delay, ``/proc/self/task/*/schedstat``). On a CPU, whether communication hides
+    behind compute comes down to whether a core is free for it: when the ranks' compute
+    threads fill every core, each CPU-second the comm lane (or the kernel's loopback TCP,
+    accounted to the sending and receiving threads) spends is one the compute lane waits."""
+    lane = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
+    out: dict[str, tuple[float, float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            on_cpu_ns, waiting_ns, _ = (int(v) for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split())
+        except (OSError, ValueError):
+            continue
+        kind = (COMPUTE_LANE if int(tid) == threading.get_native_id() else COMM_LANE if int(tid) in lane
+                else GLOO if name.startswith(("gloo", "pt_gloo")) else "other threads")
+        cpu, waited = out.get(kind, (0.0, 0.0))
+        out[kind] = (cpu + on_cpu_ns / 1e9, waited + waiting_ns / 1e9)
+    return out
+
+
+def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: Any) -> dict[str, Any]:
     """One acco round's compute time (all ranks computing at once) and its communication
     alone: acco's collectives in sync mode with no compute, and the loopback bytes."""
     result: dict[str, Any] = {}
-    model = build_method("roofline", config, args.micro_batches).model
+    model = common.build_model(config)
     if not args.skip_compute:
         times = []
         dist.barrier()
-        for i in range(8):
+        for _ in range(8):
             x, y = next_batch()
             started = time.perf_counter()
             loss_fn(model, x, y).backward()
-            if i >= 2:
-                times.append(time.perf_counter() - started)
-        (micro_batch_s,) = all_reduce_max([statistics.median(times)])
-        result["micro_batch_s"] = micro_batch_s
-        result["compute_s_per_round"] = micro_batch_s * (args.micro_batches // 2)
-    opt = AccoOptimizer(model, torch.optim.AdamW, mode="sync", lr=1e-9)
-    params = [p for p in model.parameters() if p.requires_grad]
+            times.append(time.perf_counter() - started)
+        (micro_batch_s,) = common.all_reduce([statistics.median(times[2:])], "max")
+        result.update(micro_batch_s=micro_batch_s, compute_s_per_round=micro_batch_s * (args.micro_batches // 2))
+    opt = acco.AccoOptimizer(model, torch.optim.AdamW, mode="sync", lr=1e-9)
     comm, update, byte_counts = [], [], []
     for i in range(7):
-        for p in params:
+        for p in model.parameters():
             p.grad = torch.zeros_like(p)
         opt.accumulate()
-        before = lo_tx_bytes()
+        before = common.lo_tx_bytes()
         opt.step()
-        after = lo_tx_bytes()
-        stats = opt.round_stats[-1]
+        after = common.lo_tx_bytes()
         if i >= 2:
-            phases = stats.phase_seconds
-            comm.append(phases["weights"] + phases["reduce-scatter"] + phases["all-gather"])
-            update.append(phases["update"])
+            seconds = common.phases(opt.round_stats[-1].phase_seconds)
+            comm.append(seconds["totals"] + seconds["reduce-scatter"] + seconds["all-gather"])
+            update.append(seconds["update"])
             if before is not None and after is not None:
                 byte_counts.append(after - before)
     opt.finish()
-    (comm_s,) = all_reduce_max([statistics.median(comm)])
-    result["comm_s_per_round"] = comm_s
+    (result["comm_s_per_round"],) = common.all_reduce([statistics.median(comm)], "max")
     result["update_s_per_round"] = statistics.median(update)
     result["lo_bytes_per_round"] = statistics.median(byte_counts) if byte_counts else None
     return result
 
 
-def rank_main(args: argparse.Namespace) -> None:
-    ctx = start_ranks()
-    config = model_config(args)
-    train_data, _ = training_text(config.seq_len)
-    next_batch = batches(train_data, config, config.seed + 1000 * ctx.rank)
+def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
+    config = common.model_config(args)
+    train_data, _ = common.training_text(config.seq_len)
+    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
     if args.calibrate:
-        result: dict[str, Any] = calibrate(args, config, next_batch)
-    else:
-        # Warm the allocator and kernels up once, so the first method is not penalised.
-        warm = build_method("roofline", config, args.micro_batches)
-        for _ in range(2):
-            warm.micro_batch(*next_batch())
-        del warm
-        per_repeat: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
-        for repeat in range(args.repeats):
-            shift = repeat % len(args.methods)
-            for name in args.methods[shift:] + args.methods[:shift]:
-                started = time.perf_counter()
-                per_repeat[name].append(run_method(name, args, config, next_batch))
-                gc.collect()  # the method's model, optimizer and buffers go before the next one
+        return calibrate(args, config, next_batch)
+    common.warm_up(config, next_batch)
+    checkouts: dict[str, common.Checkout | None] = {"this": None}
+    if args.baseline is not None:
+        checkouts["baseline"] = common.Checkout(args.baseline)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {side: {m: [] for m in args.methods} for side in checkouts}
+    for repeat in range(args.repeats):
+        for name in common.rotated(args.methods, repeat):
+            for side in common.rotated(list(checkouts), repeat):  # A/B interleaved, alternating which goes first
+                checkout, started = checkouts[side], time.perf_counter()
+                with checkout.active() if checkout else contextlib.nullcontext():
+                    acco_module = checkout.acco if checkout else None
+                    method = common.build_method(name, config, args.micro_batches, acco_module=acco_module)
+                    rounds_per_update = method.rounds_per_update
+                    runs[side][name].append(run_method(method, next_batch, args.warmup_updates * rounds_per_update,
+                                                       args.updates * rounds_per_update))
+                    del method
+                    gc.collect()  # the method's model, optimizer and buffers go before the next one
                 if ctx.master:
-                    r = per_repeat[name][-1]
-                    print(f"[{args.label}] repeat {repeat} {name:10s} {r['samples_per_s']:7.2f} samples/s "
+                    print(f"[{args.label}] repeat {repeat} {name:10s}" + (f" {side:8s}" if args.baseline else "") + " "
+                          f"{runs[side][name][-1]['samples_per_s']:7.2f} samples/s "
                           f"({time.perf_counter() - started:.1f} s)", flush=True)
-        result = summarise(per_repeat)
-    if ctx.master:
-        result.update(
-            ranks=ctx.world_size,
-            label=args.label,
-            rate=os.environ.get("ACCO_BENCH_RATE", "not limited by the benchmark"),
-            threads_per_rank=torch.get_num_threads(),
-        )
-        write_json(Path(args.out), result)
-    dist.barrier()
-    dist.destroy_process_group()
+    result = summarise(runs["this"])
+    if args.baseline is not None:
+        base = checkouts["baseline"]
+        result["baseline"] = {"path": str(base.root), "commit": base.commit, **summarise(runs["baseline"])}
+        for name, entry in result["methods"].items():
+            ratios = [a["samples_per_s"] / b["samples_per_s"]
+                      for a, b in zip(runs["this"][name], runs["baseline"][name])]
+            entry.update(vs_baseline=ratios, median_vs_baseline=statistics.median(ratios))
+    result.update(ranks=ctx.world_size, label=args.label, threads_per_rank=torch.get_num_threads(),
+                  rate=os.environ.get("ACCO_BENCH_RATE", "not limited by the benchmark"))
+    return result
 
 
-def summarise(per_repeat: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians over repeats; ratios to ZeRO-1 and to the roofline taken within each repeat."""
     methods: dict[str, Any] = {}
-    repeats = len(next(iter(per_repeat.values())))
-    for name, runs in per_repeat.items():
-        rates = [r["samples_per_s"] for r in runs]
-        entry: dict[str, Any] = {"samples_per_s": rates, "median_samples_per_s": statistics.median(rates)}
+    for name, repeats in runs.items():
+        rates = [r["samples_per_s"] for r in repeats]
+        entry: dict[str, Any] = {"samples_per_s": rates, "median_samples_per_s": statistics.median(rates),
+                                 "foreign_cpu_share": [r["foreign_cpu_share"] for r in repeats]}
         for base, key in (("ddp-zero1", "vs_zero1"), ("roofline", "vs_roofline")):
-            if base in per_repeat:
-                ratios = [rates[i] / per_repeat[base][i]["samples_per_s"] for i in range(repeats)]
-                entry[key] = ratios
-                entry[f"median_{key}"] = statistics.median(ratios)
-        entry["foreign_cpu_share"] = [r["foreign_cpu_share"] for r in runs]
+            if base in runs:
+                entry[key] = [a / b["samples_per_s"] for a, b in zip(rates, runs[base])]
+                entry[f"median_{key}"] = statistics.median(entry[key])
         for key in ("micro_batches_per_update", "compute_s_per_round", "compute_s_per_micro_batch",
                     "boundary_s_per_round", "lo_bytes_per_update"):
-            values = [r[key] for r in runs if r.get(key) is not None]
+            values = [r[key] for r in repeats if r.get(key) is not None]
             entry[key] = statistics.median(values) if values else None
-        lanes = [r["lane"] for r in runs if r.get("lane")]
+        lanes = [r["lane"] for r in repeats if r.get("lane")]
         if lanes:
-            entry["lane"] = {
-                "lane_s": statistics.median(lane["lane_s"] for lane in lanes),
-                "wait_s": statistics.median(lane["wait_s"] for lane in lanes),
-                "hidden_share": statistics.median(lane["hidden_share"] for lane in lanes),
-                "phase_s": {p: statistics.median(lane["phase_s"][p] for lane in lanes) for p in lanes[0]["phase_s"]},
-            }
+            entry["lane"] = {key: statistics.median(lane[key] for lane in lanes)
+                             for key in ("lane_s", "wait_s", "hidden_share")}
+            entry["lane"]["phase_s"] = {p: statistics.median(lane["phase_s"].get(p, 0.0) for lane in lanes)
+                                        for p in lanes[0]["phase_s"]}
         methods[name] = entry
-    return {"repeats": repeats, "methods": methods}
+    return {"repeats": len(next(iter(runs.values()))), "methods": methods}
 
 
-# --------------------------------------------------------------------------- driver side
+# ---------------------------------------------------------------------------- driver side
 
 
-def run_ranks(args: argparse.Namespace, ranks: int, rate: str | None, extra: list[str], label: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        passthrough = [
-            "--micro-batches", str(args.micro_batches), "--warmup-updates", str(args.warmup_updates),
-            "--updates", str(args.updates), "--repeats", str(args.repeats), "--methods", *args.methods,
-            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len),
-            "--batch-size", str(args.batch_size), "--label", label, "--out", str(out),
-        ]
-        launch(ranks, [str(Path(__file__).resolve()), *passthrough, *extra], rate)
-        return read_json(out)
-
-
-def bits(rate_bits: float) -> str:
-    return f"{int(rate_bits)}bit"
+def bits(rate: float) -> str:
+    return f"{int(rate)}bit"
 
 
 def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     """Find the tbf rates at which acco's communication per round is 1x and 3x its compute.
 
-    The comm time is modelled as ``t(rate) = t_unlimited + bytes_eff / rate`` and the rate
+    The comm time is modelled as ``t(rate) = t_unlimited + bytes / rate`` and the rate
     refined by measuring until it is within 10% of the target.
     """
-    base = run_ranks(args, ranks, None, ["--calibrate"], f"calibrate {ranks} ranks unlimited")
-    compute = base["compute_s_per_round"]
-    fixed = base["comm_s_per_round"]
+    base = common.run_ranks(args, ranks, "--calibrate", "--label", f"calibrate {ranks} ranks", netns=True)
+    compute, fixed = base["compute_s_per_round"], base["comm_s_per_round"]
     print(f"calibration, {ranks} ranks: compute {compute:.3f} s per acco round; comm unlimited {fixed:.3f} s, "
           f"{base['lo_bytes_per_round']:.3g} loopback bytes per round", flush=True)
     result: dict[str, Any] = {"unlimited": base, "targets": {}}
-    for label, ratio in RATE_RATIOS.items():
-        if label not in args.rates:
+    for name, ratio in RATE_RATIOS.items():
+        if name not in args.rates:
             continue
         target = ratio * compute
         rate = base["lo_bytes_per_round"] * 8 / max(target - fixed, 1e-3)
         tries = []
         for _ in range(3):
-            measured = run_ranks(args, ranks, bits(rate), ["--calibrate", "--skip-compute"],
-                                 f"calibrate {ranks} ranks {label}")
-            comm = measured["comm_s_per_round"]
+            comm = common.run_ranks(args, ranks, "--calibrate", "--skip-compute", "--label", f"calibrate {name}",
+                                    rate=bits(rate), netns=True)["comm_s_per_round"]
             tries.append({"rate": bits(rate), "comm_s_per_round": comm, "ratio": comm / compute})
-            print(f"  {label}: rate {bits(rate)} -> comm {comm:.3f} s = {comm / compute:.2f} x compute", flush=True)
+            print(f"  {name}: rate {bits(rate)} -> comm {comm:.3f} s = {comm / compute:.2f} x compute", flush=True)
             if abs(comm / target - 1) < 0.1:
                 break
             rate *= max(comm - fixed, 1e-3) / max(target - fixed, 1e-3)
         best = min(tries, key=lambda t: abs(t["ratio"] / ratio - 1))
-        result["targets"][label] = {"target_ratio": ratio, **best, "tries": tries}
+        result["targets"][name] = {"target_ratio": ratio, **best, "tries": tries}
     return result
 
 
-def driver(args: argparse.Namespace) -> None:
-    out = Path(args.out) if args.out else RESULTS_DIR / "throughput.json"
-    started = time.perf_counter()
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    started, config = time.perf_counter(), common.model_config(args)
     results: dict[str, Any] = {
-        "benchmark": "throughput",
-        "config": {
-            **model_config(args).as_dict(),
-            "micro_batches_per_update": args.micro_batches,
-            "warmup_updates": args.warmup_updates,
-            "timed_updates": args.updates,
-            "repeats": args.repeats,
-            "methods": args.methods,
-            "parameters": sum(p.numel() for p in common.build_model(model_config(args)).parameters()),
-        },
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "calibration": {},
-        "runs": [],
+        "config": {**config.as_dict(), "micro_batches_per_update": args.micro_batches,
+                   "warmup_updates": args.warmup_updates, "timed_updates": args.updates, "repeats": args.repeats,
+                   "methods": args.methods,
+                   "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
+        "calibration": {}, "runs": [],
     }
     for ranks in args.ranks:
         calibration = calibrate_rates(args, ranks) if set(args.rates) - {"unlimited"} else {}
         results["calibration"][str(ranks)] = calibration
-        for label in args.rates:
-            rate = None if label == "unlimited" else calibration["targets"][label]["rate"]
-            print(f"throughput: {ranks} ranks, {label} ({rate or 'no limit'})", flush=True)
+        for name in args.rates:
+            rate = None if name == "unlimited" else calibration["targets"][name]["rate"]
+            print(f"throughput: {ranks} ranks, {name} ({rate or 'no limit'})", flush=True)
             run_started = time.perf_counter()
-            run = run_ranks(args, ranks, rate, [], f"{ranks} ranks {label}")
-            run["label"], run["rate"] = label, rate or "unlimited"
-            run["runtime_s"] = time.perf_counter() - run_started
+            run = common.run_ranks(args, ranks, "--label", f"{ranks} ranks {name}", rate=rate, netns=True)
+            run.update(label=name, rate=rate or "unlimited", runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            write_json(out, results)  # after every run, so a long sweep keeps what it has
-    results["runtime_s"] = time.perf_counter() - started
-    write_json(out, results)
-    print(f"wrote {out} ({results['runtime_s'] / 60:.1f} min)")
-    if not args.no_report:
-        import report
-
-        report.main([])
+            common.save(args, results)  # after every run, so a long sweep keeps what it has
+            if args.baseline is not None:
+                print(baseline_table(run))
+    return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # started by torchrun: a rank
-        if args.out is None:
-            args.out = str(RESULTS_DIR / "throughput-torchrun.json")
-        if args.label is None:
-            args.label = "torchrun"
-        rank_main(args)
-    else:
-        driver(args)
+# ----------------------------------------------------------------------- tables and plots
 
+
+def by_ranks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The sweep's runs by rank count, then by rate label."""
+    runs: dict[int, dict[str, Any]] = {}
+    for run in data["runs"]:
+        runs.setdefault(run["ranks"], {})[run["label"]] = run
+    return dict(sorted(runs.items()))
+
+
+def table(data: dict[str, Any]) -> str:
+    cfg, cpus = data["config"], data["machine"]["cpus"]
+    out = [f"{common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} micro-batches "
+           f"per rank per update, {cfg['timed_updates']} timed updates after {cfg['warmup_updates']} of warm-up, "
+           f"median of {cfg['repeats']} repeats; one torch thread per rank on {cpus} cores "
+           f"(torch {data['machine']['torch']}). Each cell: samples/s, then the ratio to DDP + ZeRO-1 and to the "
+           f"roofline measured side by side in the same repeat (medians).", ""]
+    for ranks, runs in by_ranks(data).items():
+        rates = [r for r in RATE_LABELS if r in runs]
+        rows = [[common.label(name)] + [cell(runs[r]["methods"].get(name)) for r in rates]
+                for name in common.METHODS if any(name in runs[r]["methods"] for r in rates)]
+        note = " (oversubscribed: 4 ranks on 2 cores)" if ranks > (cpus or 1) else ""
+        header = ["method"] + [f"{r} ({common.rate_text(runs[r]['rate'])})" for r in rates]
+        out += [f"**{ranks} ranks{note}**", "", common.md_table(header, rows), ""]
+    return "\n".join(out)
+
+
+def cell(m: dict[str, Any] | None) -> str:
+    if m is None:
+        return ""
+    return (f"{m['median_samples_per_s']:.1f} (x{m.get('median_vs_zero1', math.nan):.2f} ZeRO-1, "
+            f"x{m.get('median_vs_roofline', math.nan):.2f} roofline)")
+
+
+def calibration_table(data: dict[str, Any]) -> str:
+    rows = []
+    for ranks, cal in sorted(data["calibration"].items(), key=lambda kv: int(kv[0])):
+        for name, target in (cal or {}).get("targets", {}).items():
+            base = cal["unlimited"]
+            rows.append([ranks, name, f"{base['compute_s_per_round'] * 1000:.0f} ms",
+                         f"{base['lo_bytes_per_round'] / 1e6:.1f} MB", f"{base['comm_s_per_round'] * 1000:.0f} ms",
+                         f"{target['rate']} ({common.rate_text(target['rate'])})",
+                         f"{target['comm_s_per_round'] * 1000:.0f} ms", f"{target['ratio']:.2f}"])
+    return common.md_table(["ranks", "target", "compute per acco round", "loopback bytes per round",
+                            "comm per round, unlimited", "tbf rate", "comm per round at that rate", "comm / compute"],
+                           rows)
+
+
+def lane_table(data: dict[str, Any]) -> str:
+    """What the lanes did in the timed windows (rank 0, medians over repeats)."""
+    lane_phases = ("totals", "reduce-scatter", "update", "all-gather")
+    rows = []
+    for ranks, runs in by_ranks(data).items():
+        for rate in [r for r in RATE_LABELS if r in runs]:
+            roof = runs[rate]["methods"].get("roofline")
+            for name in [n for n in common.METHODS if n in runs[rate]["methods"]]:
+                if name in ("roofline", "ddp-adamw") or common.METHODS[name].estimate_dtype is not None:
+                    continue
+                m = runs[rate]["methods"][name]
+                lane = m.get("lane", {})
+                seconds = common.phases(lane.get("phase_s", {}))
+                rows.append([
+                    str(ranks), rate, common.label(name),
+                    f"{m['compute_s_per_micro_batch'] * 1000:.0f}"
+                    + (f" ({roof['compute_s_per_micro_batch'] * 1000:.0f})" if roof else ""),
+                    f"{m['micro_batches_per_update']:.1f}", f"{m['boundary_s_per_round'] * 1000:.0f}",
+                    f"{lane['lane_s'] * 1000:.0f}" if lane else "",
+                    " / ".join(f"{seconds.get(p, 0) * 1000:.0f}" for p in lane_phases) if seconds else "",
+                    f"{lane['hidden_share']:.0%}" if lane else "",
+                    f"{m['lo_bytes_per_update'] / 1e6:.1f}" if m.get("lo_bytes_per_update") else "",
+                    f"{max(m['foreign_cpu_share']):.0%}",
+                ])
+    return common.md_table(["ranks", "rate", "method", "compute ms per micro-batch (roofline)",
+                            "micro-batches per update", "step() ms per round", "lane ms per round",
+                            " / ".join(lane_phases) + " ms", "comm hidden", "loopback MB per update",
+                            "other load (max)"], rows)
+
+
+def baseline_table(run: dict[str, Any]) -> str:
+    """An A/B run (``--baseline``): medians of both checkouts and their ratio per method."""
+    base = run["baseline"]
+    rows = [[common.label(name), f"{m['median_samples_per_s']:.2f}",
+             f"{base['methods'][name]['median_samples_per_s']:.2f}",
+             f"{m['median_vs_baseline']:.3f} ({min(m['vs_baseline']):.3f}-{max(m['vs_baseline']):.3f})"]
+            for name, m in run["methods"].items()]
+    return (f"{run['ranks']} ranks, {run['label']}: this checkout against {base['path']} ({base['commit']}), "
+            f"{run['repeats']} interleaved repeats\n\n" + common.md_table(
+                ["method", "samples/s, this", "samples/s, baseline", "ratio this / baseline (min-max)"], rows))
+
+
+def plot(data: dict[str, Any], path: Path) -> str:
+    plt = common.pyplot()
+    runs = by_ranks(data)
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
+    for ax, (ranks, by_rate) in zip(axes[0], runs.items()):
+        rates = [r for r in RATE_LABELS if r in by_rate]
+        names = [n for n in common.METHODS if any(n in by_rate[r]["methods"] for r in rates)]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            values = [by_rate[r]["methods"].get(name, {}).get("median_vs_roofline", 0) for r in rates]
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rates))]
+            ax.bar(xs, values, width, label=common.label(name).replace("`", ""), color=common.METHODS[name].colour,
+                   hatch={"--": "//", ":": ".."}.get(common.METHODS[name].line, ""), edgecolor="white")
+        ax.axhline(0.95, color="k", lw=0.8, ls="--")
+        ax.axhline(0.9, color="k", lw=0.8, ls=":")
+        ax.set_xticks(range(len(rates)), [f"{r}\n{common.rate_text(by_rate[r]['rate'])}" for r in rates])
+        ax.set(ylabel="samples/s / roofline", ylim=(0, 1.1),
+               title=f"{ranks} ranks" + (" (oversubscribed)" if ranks > data["machine"]["cpus"] else ""))
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    return common.save_figure(fig, path)
+
+
+def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
+    """README blocks of every sweep: ``throughput.json`` and the ``throughput-NAME.json`` beside it."""
+    out = {}
+    for stem, data in results.items():
+        suffix = stem.removeprefix("throughput")
+        out[stem] = table(data) + f"\n![{stem}](results/{plot(data, figures / f'{stem}.png')})"
+        out["calibration" + suffix] = calibration_table(data)
+        out["lanes" + suffix] = lane_table(data)
+    return out
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    rows: list[tuple[str, str, bool | None]] = []
+    for data in results.values():
+        k = f"{data['config']['micro_batches_per_update']} micro-batches per update"
+        two = by_ranks(data).get(2, {})
+        mid, slow, free = (two.get(r, {}).get("methods", {}) for r in ("comm~compute", "comm~3x", "unlimited"))
+        if "acco" in mid:
+            acco_mid = mid["acco"]
+            rows += [(f"2 ranks, {k}, comm ~ compute: acco >= 0.95 x roofline",
+                      f"{acco_mid['median_vs_roofline']:.3f}", acco_mid["median_vs_roofline"] >= 0.95),
+                     (f"2 ranks, {k}, comm ~ compute: acco >= 2 x DDP + ZeRO-1", f"{acco_mid['median_vs_zero1']:.2f}",
+                      acco_mid["median_vs_zero1"] >= 2)]
+            if "acco-aww" in mid:
+                rows.append((f"(for reference) 2 ranks, {k}, comm ~ compute: `ready()` loop vs roofline / ZeRO-1",
+                             f"{mid['acco-aww']['median_vs_roofline']:.3f} / {mid['acco-aww']['median_vs_zero1']:.2f}",
+                             None))
+        if "acco-aww" in slow:
+            ratio = slow["acco-aww"]["median_vs_roofline"]
+            rows.append((f"2 ranks, {k}, comm ~ 3x compute: `ready()` loop >= 0.9 x roofline", f"{ratio:.3f}",
+                         ratio >= 0.9))
+        if "acco" in free:
+            ratio = free["acco"]["median_vs_zero1"]
+            rows.append((f"2 ranks, {k}, unlimited: acco not slower than DDP + ZeRO-1", f"{ratio:.3f}", ratio >= 1.0))
+    return rows
+
+
+def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
+    return [row for stem, data in results.items()
+            for row in [(stem, data["runtime_s"]), *((f"  {r['ranks']} ranks, {r['label']}", r["runtime_s"])
+                                                     for r in data["runs"])]]
+
+
+BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main(BENCHMARK)

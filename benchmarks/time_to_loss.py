@@ -2,268 +2,126 @@
 wall-clock budget behind a rate-limited network, at the rate where one round of
 communication takes as long as one round of compute and at three times that.
 
-The whole sweep (calibration, 2 rates x 12 methods x 2 seeds, 30 s of training each; needs
-root for the namespace), about 32 minutes on 2 cores:
+    sudo $(which python) benchmarks/time_to_loss.py                          # 2 rates x 12 methods x 2 seeds: ~32 min
+    sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
+    sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
 
-    sudo $(which python) benchmarks/time_to_loss.py
-    sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit   # skip calibration
-    sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 6 s each: about 6 minutes
+DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``) when it
+imports, otherwise through the plain implementation in ``diloco.py`` (``--diloco`` chooses).
 
-DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``; the
-``torch==`` pin keeps pip from replacing the installed torch) when it imports, otherwise
-through the plain implementation in ``diloco.py``; ``--diloco plain|torchft`` chooses, and
-the JSON records which one ran.
-
-How it measures. Every method trains the example's GPT (``examples/train_gpt.py``: 4
-layers, width 128, seq 64, micro-batch 8) from the same initial model, on the same
-micro-batch stream per rank, with AdamW at the same learning rate (``--lr``, linear warm-up
-over ``--warmup`` optimizer updates, then constant: a schedule tied to a total number of
-updates would differ between methods that make different numbers of updates in the same
-time), clipping at 1.0, ``--micro-batches`` micro-batches per rank per update (acco: two
-rounds of half as many; the ``ready()`` loop: at least that, and more while the round in
-flight has not landed). The clock starts at the first micro-batch, after the process group,
-the model and the optimizer exist and a barrier; there is no per-method warm-up (the
-process warms its kernels up once, before the first method). Each method trains until the
-clock reaches ``--budget`` seconds, then drains (acco's ``finish()``) on the clock.
-
-Evaluation is off the clock and off the network: at the first committed boundary after
-each ``--eval-every`` seconds of training (acco: a ``step()`` that returned True; DiLoCo: a
-synchronisation), every rank copies the committed parameters (the clock is paused for the
-copy); all copies, and the parameters after ``finish()``, are evaluated on ``--eval-batches``
-fixed held-out batches after the budget, when nothing else runs. Pausing the clock for an
-evaluation while training would not do: acco's comm lane would keep communicating during
-the pause, for free.
-
-Stopping together. The ranks must end on the same round. At every round boundary each rank
-starts a non-blocking all-reduce (MAX) of its clock on the default process group, never on
-acco's lane, and reads the one it started at the previous boundary: every rank reads the
-same sequence of agreed clocks, so every rank takes the same decisions at the same
-boundary, and no rank ever waits on that all-reduce while the link is busy. An evaluation
-falls due one boundary after the agreed clock passes its mark; training stops at the first
-boundary whose clock, extrapolated from the last two agreed clocks, is at or past the
-budget (so it overshoots by a fraction of a round, and every point is timed as it happened).
-
-Time to loss. For each seed, the target is DDP + ZeRO-1's final held-out loss; a method's
-time to it is the first time its held-out loss curve reaches it (linear between two
-evaluations), as a fraction of the budget; the tables give the median and the range over
-the seeds. Bytes per update are the namespace's loopback bytes over the training window
-divided by the optimizer updates.
-
-Rates are calibrated as ``throughput.py`` does (its functions, imported), for this model:
-``comm~compute`` is the tbf rate at which one acco round of communication (alone) takes as
-long as one acco round of compute, ``comm~3x`` three times as long.
+How it measures (in full: benchmarks/README.md, "Time to loss"). Every method trains the
+same initial model on the same micro-batch stream per rank with AdamW at ``--lr``, linear
+warm-up then constant (a schedule tied to a number of updates would differ between methods
+that make different numbers of updates in the same time), until its clock reaches
+``--budget``; acco's ``finish()`` then drains on the clock. Evaluation is off the clock and
+off the network: the committed parameters are copied at the first committed boundary after
+each ``--eval-every`` seconds and evaluated after the budget (evaluating with the clock
+paused would let acco's comm lane communicate for free). The target is DDP + ZeRO-1's
+final held-out loss per seed; a method's time to it is the first time its curve reaches it
+(linear between evaluations), as a fraction of the budget.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import inspect
 import math
 import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import common  # noqa: F401  (puts the repo root on sys.path)
+import throughput
+import common
+from diloco import torchft_version
+from examples.train_gpt import Dist, eval_batches, evaluate
+
 import torch
 import torch.distributed as dist
-from common import (
-    ACCO_METHODS,
-    RESULTS_DIR,
-    AccoMethod,
-    ForeignLoad,
-    Method,
-    ModelConfig,
-    all_reduce_sum,
-    batches,
-    build_method,
-    build_model,
-    launch,
-    lo_tx_bytes,
-    read_json,
-    start_ranks,
-    training_text,
-    wait_for_quiet,
-    write_json,
-)
-from diloco import DiLoCoMethod, TorchftDiLoCoMethod, torchft_version
-from torch import Tensor
 
-from acco import AccoOptimizer
-from examples.train_gpt import eval_batches, evaluate, param_groups
+__all__ = ["BENCHMARK", "AgreedClock", "blocks", "runtimes", "summary", "targets", "warmup_constant"]
 
-# Every method, in the order tables list them. "-aww": the accumulate-while-communicating
-# loop (README's ready() loop); "-bf16" / "-fp8": the light estimate round.
-METHODS = (
-    "ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu",
-    "acco", "acco-bf16", "acco-fp8",
-    "acco-aww", "acco-aww-bf16", "acco-aww-fp8",
-    "diloco-h10", "diloco-h50",
-)
-LIGHT_ESTIMATE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+TTL_METHODS = [n for n, s in common.METHODS.items() if s.family != "roofline"]
 RATE_LABELS = ("comm~compute", "comm~3x")
-DEFAULT_SEEDS = (1337, 7)
 BASELINE = "ddp-zero1"
+# The issue's bar: the best acco configuration reaches ZeRO-1's final loss within this share of the budget.
+BAR = {"comm~compute": 0.6, "comm~3x": 0.4}
+# Two runs of the same arithmetic (acco `sync` and ZeRO-1) differ by float reordering only:
+# a loss this close to the target has reached it.
+TOLERANCE = 1e-5
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--rates", nargs="+", default=None, metavar="RATE",
-        help="tc rates for comm~compute then comm~3x (e.g. 440mbit 140mbit): skips calibration (driver)")
-    add("--methods", nargs="+", default=list(METHODS), type=method_name, metavar="METHOD",
-        help=f"from {', '.join(METHODS)}; any diloco-hN (H = N)")
-    add("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+        help="tc rates for comm~compute then comm~3x (e.g. 440mbit 140mbit): skips calibration")
+    add("--methods", nargs="+", default=TTL_METHODS, type=common.method_name, metavar="METHOD",
+        help=f"from {', '.join(TTL_METHODS)}; any diloco-hN (H = N)")
+    add("--seeds", type=int, nargs="+", default=[1337, 7])
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
     add("--eval-every", type=float, default=None, help="seconds between evaluations (default: budget / 8)")
     add("--eval-batches", type=int, default=32)
-    add("--micro-batches", type=int, default=4, help="micro-batches per rank per optimizer update (even)")
+    add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=10, help="optimizer updates (DiLoCo: inner steps) of linear warm-up")
     add("--grad-clip", type=float, default=1.0, help="0: off")
-    add("--n-layer", type=int, default=4)
-    add("--n-embd", type=int, default=128)
-    add("--seq-len", type=int, default=64)
-    add("--batch-size", type=int, default=8)
+    common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
     add("--ranks", type=int, default=2)
     add("--diloco", choices=["auto", "torchft", "plain"], default="auto",
         help="DiLoCo implementation (auto: torchft if it imports, else plain)")
     add("--max-quiet-wait", type=float, default=900.0,
         help="seconds to wait, before each method, for other processes to leave the CPU")
-    add("--out", default=None, help="JSON output (default: benchmarks/results/time_to_loss.json)")
-    add("--no-report", action="store_true", help="do not regenerate the README tables and plots (driver)")
-    add("--quick", action="store_true",
-        help="1 seed, 6 s per method, 4 evaluations, results/time_to_loss-quick.json, no report: a smoke run "
-             "of about 6 minutes")
-    # Set by the driver for its rank launches.
-    add("--seed", type=int, default=None, help=argparse.SUPPRESS)
-    add("--label", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.seeds, args.budget, args.no_report = args.seeds[:1], 6.0, True
-        args.eval_every = args.eval_every or args.budget / 4
-        args.out = args.out or str(RESULTS_DIR / "time_to_loss-quick.json")
-    if args.micro_batches < 2 or args.micro_batches % 2:
-        parser.error("--micro-batches must be even (acco splits an update into two rounds)")
-    if args.budget <= 0:
-        parser.error(f"--budget must be positive, got {args.budget}")
-    if args.eval_every is None:
-        args.eval_every = args.budget / 8
-    if args.eval_every <= 0:
-        parser.error(f"--eval-every must be positive, got {args.eval_every}")
-    if args.rates is not None and len(args.rates) > len(RATE_LABELS):
-        parser.error(f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})")
-    if args.diloco == "torchft" and torchft_version() is None:
-        parser.error("--diloco torchft: torchft does not import here (python -m pip install torchft torch==2.13.0)")
-    return args
+    add("--seed", type=int, default=None, help=argparse.SUPPRESS)  # set by the driver for its rank launches
 
 
-def method_name(name: str) -> str:
-    if name in METHODS or (name.startswith("diloco-h") and name.removeprefix("diloco-h").isdigit()
-                           and int(name.removeprefix("diloco-h")) >= 1):
-        return name
-    raise argparse.ArgumentTypeError(f"unknown method {name!r} (choose from {', '.join(METHODS)}, or diloco-hN)")
+def quick(args: argparse.Namespace) -> None:
+    args.seeds, args.budget = args.seeds[:1], 6.0
+    args.eval_every = args.eval_every or args.budget / 4
 
 
-def model_config(args: argparse.Namespace, seed: int) -> ModelConfig:
-    return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len, batch_size=args.batch_size,
-                       lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
-
-
-class WarmupConstant:
-    """LambdaLR factor: linear warm-up over ``warmup`` updates, then the peak, constant."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-
-    def __call__(self, update: int) -> float:
-        return min(1.0, (update + 1) / (self.warmup + 1))
-
-
-# ------------------------------------------------------------------------------- methods
-
-
-class UnsupportedMethod(RuntimeError):
-    """This method cannot run with the installed library; the run records why and goes on."""
-
-
-def estimate_dtype_supported() -> bool:
-    return "estimate_dtype" in inspect.signature(AccoOptimizer).parameters
-
-
-class LightEstimateAcco(AccoMethod):
-    """``AccoOptimizer(mode="acco", estimate_dtype=...)``: the estimate round travels in a
-    narrower dtype; the commit round is unchanged."""
-
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int,
-                 estimate_dtype: torch.dtype) -> None:
-        # Checked before anything collective, identically on every rank.
-        if not estimate_dtype_supported():
-            raise UnsupportedMethod(
-                f"{name}: the installed AccoOptimizer has no estimate_dtype= argument (issue 14's light "
-                "estimate round); rerun once it is installed"
-            )
-        self.name = name
-        self.model = build_model(config)
-        self.rounds_per_update = 2
-        self.micro_batches_per_round = micro_batches_per_update // 2
-        try:
-            self.opt = AccoOptimizer(
-                param_groups(self.model, config.weight_decay),
-                torch.optim.AdamW,
-                mode="acco",
-                lr=config.lr,
-                betas=config.betas,
-                max_grad_norm=config.max_grad_norm,
-                timeout=datetime.timedelta(minutes=5),
-                estimate_dtype=estimate_dtype,
-            )
-        except (TypeError, ValueError) as error:
-            # acco checks its arguments before any collective, so every rank raises alike
-            # (e.g. a dtype this build does not carry): recorded as not run, with the reason.
-            raise UnsupportedMethod(f"{name}: AccoOptimizer(estimate_dtype={estimate_dtype}) refused: {error}") from error
-
-
-def build(name: str, args: argparse.Namespace, config: ModelConfig) -> Method:
-    k = args.micro_batches
-    if name.startswith("diloco-h"):
-        sync_every = int(name.removeprefix("diloco-h"))
-        if diloco_implementation(args) == "torchft":
-            return TorchftDiLoCoMethod(config, k, sync_every, WarmupConstant(args.warmup))
-        return DiLoCoMethod(config, k, sync_every, WarmupConstant(args.warmup))
-    suffix = name.rsplit("-", 1)[-1]
-    if suffix in LIGHT_ESTIMATE:
-        return LightEstimateAcco(name, config, k, LIGHT_ESTIMATE[suffix])
-    if name not in ACCO_METHODS and name not in ("ddp-zero1", "ddp-adamw"):
-        raise ValueError(f"unknown method {name!r}")
-    return build_method(name, config, k)
-
-
-def diloco_implementation(args: argparse.Namespace) -> str:
+def check(args: argparse.Namespace) -> str | None:
+    args.eval_every = args.eval_every or args.budget / 8
     if args.diloco == "auto":
-        return "torchft" if torchft_version() is not None else "plain"
-    return args.diloco
+        args.diloco = "torchft" if torchft_version() is not None else "plain"
+    if args.budget <= 0 or args.eval_every <= 0:
+        return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
+    if args.rates is not None and len(args.rates) > len(RATE_LABELS):
+        return f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})"
+    if args.diloco == "torchft" and torchft_version() is None:
+        return "--diloco torchft: torchft does not import here (python -m pip install torchft torch==2.13.0)"
+    return None
 
 
-def accumulates_while_communicating(name: str) -> bool:
-    return name.startswith("acco-aww")
+def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
+    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
 
 
-# ---------------------------------------------------------------------------- rank side
+def warmup_constant(warmup: int) -> Callable[[int], float]:
+    """LambdaLR factor: linear warm-up over ``warmup`` updates, then the peak, constant."""
+    return lambda update: min(1.0, (update + 1) / (warmup + 1))
 
 
-class Clock:
-    """Training seconds since ``start()``, with pauses left out."""
+# ------------------------------------------------------------------------------ rank side
+
+
+class AgreedClock:
+    """Training seconds since it was made, pauses left out; and the ranks' clocks, agreed one
+    round late without blocking.
+
+    At every round boundary each rank starts a non-blocking all-reduce (MAX) of its clock on
+    the default group, never on acco's lane, and reads the one it started at the previous
+    boundary: every rank reads the same agreed clocks, so every rank takes the same decisions
+    at the same boundary, and none waits on that all-reduce while the link is busy.
+    Collective: every rank calls ``exchange()`` at every round boundary and ``close()`` once.
+    """
 
     def __init__(self) -> None:
-        self._start = time.perf_counter()
-        self._paused = 0.0
+        self._start, self._paused = time.perf_counter(), 0.0
+        self._value = torch.zeros(1, dtype=torch.float64)
+        self._work: Any = None
+        self.previous = 0.0  # the agreed clock one boundary earlier (every clock starts after a barrier)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._start - self._paused
@@ -271,31 +129,18 @@ class Clock:
     def pause(self, seconds: float) -> None:
         self._paused += seconds
 
-
-class AgreedClock:
-    """The ranks' clocks, agreed one round late without blocking (see the module docstring).
-
-    Collective: every rank calls ``exchange()`` at every round boundary and ``close()`` once.
-    """
-
-    def __init__(self) -> None:
-        self._value = torch.zeros(1, dtype=torch.float64)
-        self._work: Any = None
-        self.previous = 0.0  # the agreed clock one boundary earlier (every clock starts after a barrier)
-
     def budget_reached(self, agreed: float | None, budget: float) -> bool:
         """Whether this boundary ends the budget: the first boundary whose clock is expected
-        at or past it, from the agreed clocks of the two previous boundaries (the same
-        numbers on every rank), so the overshoot is a fraction of a round, not two rounds."""
+        at or past it, from the agreed clocks of the two previous boundaries, so the
+        overshoot is a fraction of a round, not two rounds."""
         if agreed is None:
             return False
-        last_round = agreed - self.previous
-        self.previous = agreed
+        last_round, self.previous = agreed - self.previous, agreed
         return agreed + last_round >= budget
 
     def exchange(self, elapsed: float) -> float | None:
-        """Start agreeing on ``elapsed``; return the previous boundary's agreed clock (the
-        largest over ranks), or None at the first boundary."""
+        """Start agreeing on ``elapsed``; the previous boundary's agreed clock (the largest
+        over ranks), or None at the first boundary."""
         agreed = None
         if self._work is not None:
             self._work.wait()
@@ -310,293 +155,398 @@ class AgreedClock:
             self._work = None
 
 
-def trained_parameters(method: Method) -> list[Tensor]:
-    module = getattr(method.model, "module", method.model)  # DDP wraps the model
-    return list(module.parameters())
-
-
-def committed_samples(method: Method, args: argparse.Namespace, updates: int) -> int:
-    """Samples (sequences) of every rank whose gradients are in the committed parameters."""
-    world = dist.get_world_size()
-    if isinstance(method, (DiLoCoMethod, TorchftDiLoCoMethod)):
-        return method.outer_steps * method.sync_every * args.micro_batches * world * args.batch_size
-    opt = method.optimizer()
-    if isinstance(opt, AccoOptimizer):
-        return round(opt.committed_weight) * args.batch_size  # weight 1 per micro-batch, every rank
-    return updates * args.micro_batches * world * args.batch_size
-
-
-def committed_updates(method: Method, counted: int) -> int:
-    """Optimizer updates in the committed parameters (DiLoCo: inner steps merged)."""
-    if isinstance(method, (DiLoCoMethod, TorchftDiLoCoMethod)):
-        return method.outer_steps * method.sync_every
-    opt = method.optimizer()
-    return opt.num_updates if isinstance(opt, AccoOptimizer) else counted
-
-
-def run_method(name: str, args: argparse.Namespace, config: ModelConfig, train_data: Tensor,
-               eval_set: list[tuple[Tensor, Tensor]], initial_loss: float) -> dict[str, Any]:
+def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, train_data: torch.Tensor,
+               eval_set: list[tuple[torch.Tensor, torch.Tensor]], initial_loss: float) -> dict[str, Any]:
     """Train ``name`` for the budget; its evaluation points and what they cost."""
     rank, world = dist.get_rank(), dist.get_world_size()
     setup_started = time.perf_counter()
     try:
-        method = build(name, args, config)
-    except UnsupportedMethod as error:
+        method = common.build_method(name, config, args.micro_batches, diloco=args.diloco,
+                                     schedule=warmup_constant(args.warmup))
+    except common.UnsupportedMethod as error:
         return {"method": name, "skipped": str(error)}
-    opt = method.optimizer()
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupConstant(args.warmup)) if opt is not None else None
-    next_batch = batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
-    aww = accumulates_while_communicating(name)
-    params = trained_parameters(method)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, warmup_constant(args.warmup)) if method.opt else None
+    next_batch = common.batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
+    params = list(method.module.parameters())
     setup_s = time.perf_counter() - setup_started
-    waited = wait_for_quiet(max_wait_s=args.max_quiet_wait)
-    foreign = ForeignLoad()
-    dist.barrier()
-
-    agreed_clock = AgreedClock()
-    foreign.start()
-    bytes0 = lo_tx_bytes()
-    clock = Clock()
-    snapshots: list[tuple[dict[str, Any], list[Tensor]]] = []
-    computed = rounds = counted_updates = 0
+    window = common.Window(args.max_quiet_wait)
+    window.open()
+    clock = AgreedClock()
+    snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
+    computed = rounds = counted = 0
     next_eval, due, last_commit = args.eval_every, False, 0.0
 
     def snapshot(elapsed: float) -> None:
         started = time.perf_counter()
-        copy = [p.detach().clone() for p in params]
-        updates = committed_updates(method, counted_updates)
-        snapshots.append(({"elapsed_s": elapsed, "updates": updates,
-                           "samples": committed_samples(method, args, counted_updates)}, copy))
+        samples = round(method.committed_micro_batches(counted)) * args.batch_size
+        snapshots.append(({"elapsed_s": elapsed, "updates": method.committed_updates(counted), "samples": samples},
+                          [p.detach().clone() for p in params]))
         clock.pause(time.perf_counter() - started)
 
     while True:
-        for _ in range(method.micro_batches_per_round):
-            method.micro_batch(*next_batch())
-            computed += 1
-        while aww and not method.ready():  # the README's loop: keep accumulating while the round is in flight
-            method.micro_batch(*next_batch())
-            computed += 1
-        committed = method.end_round()
-        rounds += 1
-        now = clock.elapsed()
-        if committed:
-            counted_updates += 1
-            last_commit = now
+        record = common.train_round(method, next_batch)
+        computed, rounds, now = computed + len(record.losses), rounds + 1, clock.elapsed()
+        if record.committed:
+            counted, last_commit = counted + 1, now
             if scheduler is not None:
                 scheduler.step()
-        agreed = agreed_clock.exchange(now)
-        if agreed_clock.budget_reached(agreed, args.budget):
+        agreed = clock.exchange(now)
+        if clock.budget_reached(agreed, args.budget):
             break
-        if agreed is not None and agreed >= next_eval:
-            due = True
-            next_eval = (math.floor(agreed / args.eval_every) + 1) * args.eval_every
-        if committed and due:
+        if agreed is not None and agreed >= next_eval:  # due at the next committed boundary
+            due, next_eval = True, (math.floor(agreed / args.eval_every) + 1) * args.eval_every
+        if record.committed and due:
             snapshot(now)
             due = False
     stopped_s = clock.elapsed()
-    agreed_clock.close()
+    clock.close()
     if method.finish():  # acco, dpu: the update in flight lands, on the clock
-        counted_updates += 1
-        last_commit = clock.elapsed()
-    end_s = clock.elapsed()
-    bytes1 = lo_tx_bytes()
-    foreign_share = foreign.stop()
+        counted, last_commit = counted + 1, clock.elapsed()
+    end_s, measured = clock.elapsed(), window.close()
     if not snapshots or snapshots[-1][0]["elapsed_s"] != last_commit:
         snapshot(last_commit)  # the committed parameters at the end, from when they were committed
-    final_updates = committed_updates(method, counted_updates)
+    updates = method.committed_updates(counted)
 
-    # Evaluate every copy, each on one rank, nothing else running.
-    eval_started = time.perf_counter()
-    module = getattr(method.model, "module", method.model)
+    eval_started = time.perf_counter()  # every copy, each on one rank, nothing else running
     losses = [0.0] * len(snapshots)
     for i, (_, copy) in enumerate(snapshots):
         if i % world == rank:
             with torch.no_grad():
                 for p, q in zip(params, copy):
                     p.copy_(q)
-            losses[i] = evaluate(module, eval_set)
-    losses = all_reduce_sum(losses)
-    eval_s = time.perf_counter() - eval_started
-
-    (micro_batches,) = all_reduce_sum([computed])
+            losses[i] = evaluate(method.module, eval_set)
+    losses = common.all_reduce(losses)
     points = [{"elapsed_s": 0.0, "updates": 0, "samples": 0, "loss": initial_loss}]
     points += [{**info, "loss": loss} for (info, _), loss in zip(snapshots, losses)]
-    committed_mb = points[-1]["samples"] / args.batch_size
+    lo_bytes = measured["lo_bytes"]
     result: dict[str, Any] = {
-        "method": name,
-        "points": points,
-        "final_loss": points[-1]["loss"],
-        "stopped_s": stopped_s,
-        "end_s": end_s,
-        "updates": final_updates,
-        "rounds": rounds,
-        "updates_per_s": final_updates / end_s,
-        "samples_per_s": points[-1]["samples"] / end_s,
-        "micro_batches_computed": micro_batches,
-        "micro_batches_per_update": committed_mb / world / final_updates if final_updates else None,
-        "lo_bytes": None if bytes0 is None or bytes1 is None else bytes1 - bytes0,
-        "foreign_cpu_share": foreign_share,
-        "waited_for_quiet_s": waited,
-        "setup_s": setup_s,
-        "eval_s": eval_s,
+        "method": name, "points": points, "final_loss": points[-1]["loss"], "stopped_s": stopped_s, "end_s": end_s,
+        "updates": updates, "rounds": rounds, "updates_per_s": updates / end_s,
+        "samples_per_s": points[-1]["samples"] / end_s, "micro_batches_computed": common.all_reduce([computed])[0],
+        "micro_batches_per_update": points[-1]["samples"] / args.batch_size / world / updates if updates else None,
+        "lo_bytes": lo_bytes, "foreign_cpu_share": measured["foreign_cpu_share"],
+        "waited_for_quiet_s": measured["waited_for_quiet_s"], "setup_s": setup_s,
+        "eval_s": time.perf_counter() - eval_started,
     }
-    if result["lo_bytes"] is not None and final_updates:
-        result["lo_bytes_per_update"] = result["lo_bytes"] / final_updates
-    if isinstance(method, (DiLoCoMethod, TorchftDiLoCoMethod)):
+    if lo_bytes is not None and updates:
+        result["lo_bytes_per_update"] = lo_bytes / updates
+    if method.spec.family == "diloco":
+        implementation = f"torchft {torchft_version()}" if args.diloco == "torchft" else "plain (diloco.py)"
         result.update(sync_every=method.sync_every, outer_steps=method.outer_steps, inner_steps=method.inner_steps,
-                      implementation=("torchft " + (torchft_version() or "")).strip()
-                      if isinstance(method, TorchftDiLoCoMethod) else "plain (diloco.py)")
-        if result["lo_bytes"] is not None and method.outer_steps:
-            result["lo_bytes_per_sync"] = result["lo_bytes"] / method.outer_steps
-    if isinstance(opt, AccoOptimizer):
-        stats = list(opt.round_stats)
-        if stats:
-            result["lane"] = {"hidden_share": statistics.fmean(s.hidden_share for s in stats),
-                              "lane_s": statistics.fmean(s.lane_seconds for s in stats),
-                              "wait_s": statistics.fmean(s.wait_seconds for s in stats)}
-    if isinstance(method, TorchftDiLoCoMethod):
-        method.close()
+                      implementation=implementation)
+        if lo_bytes is not None and method.outer_steps:
+            result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
+    if method.round_stats():
+        result["lane"] = common.lane_summary(method.round_stats())
+    method.close()
     return result
 
 
-def rank_main(args: argparse.Namespace) -> None:
-    ctx = start_ranks()
+def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else args.seeds[0]
     config = model_config(args, seed)
-    train_data, held_out = training_text(config.seq_len)
+    train_data, held_out = common.training_text(config.seq_len)
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, seed, torch.device("cpu"))
-    initial_loss = evaluate(build_model(config), eval_set)  # every method starts from this model
-    # Warm the allocator and kernels up once, so the first method is not penalised.
-    warm = build_method("roofline", config, args.micro_batches)
-    next_warm = batches(train_data, config, 0)
-    for _ in range(2):
-        warm.micro_batch(*next_warm())
-    del warm
-    # The methods in an order rotated by the seed's index, so no method is always first.
-    shift = args.seeds.index(seed) % len(args.methods) if seed in args.seeds else 0
+    initial_loss = evaluate(common.build_model(config), eval_set)  # every method starts from this model
+    common.warm_up(config, common.batches(train_data, config, 0))
     runs: dict[str, Any] = {}
-    for name in args.methods[shift:] + args.methods[:shift]:
+    for name in common.rotated(args.methods, args.seeds.index(seed) if seed in args.seeds else 0):
         started = time.perf_counter()
-        runs[name] = run_method(name, args, config, train_data, eval_set, initial_loss)
+        runs[name] = r = run_method(name, args, config, train_data, eval_set, initial_loss)
         gc.collect()  # the method's model, optimizer and buffers go before the next one
-        r = runs[name]
         if ctx.master:
-            if "skipped" in r:
-                print(f"[{args.label}] {name:14s} skipped: {r['skipped']}", flush=True)
-            else:
-                print(f"[{args.label}] {name:14s} final loss {r['final_loss']:.4f} after {r['end_s']:.1f} s, "
-                      f"{r['updates']} updates, {r['micro_batches_per_update'] or 0:.1f} micro-batches per update "
-                      f"({time.perf_counter() - started:.0f} s in all)", flush=True)
-    if ctx.master:
-        write_json(Path(args.out), {
-            "label": args.label, "seed": seed, "ranks": ctx.world_size, "initial_loss": initial_loss,
+            print(f"[{args.label}] {name:14s} " + (f"skipped: {r['skipped']}" if "skipped" in r else
+                  f"final loss {r['final_loss']:.4f} after {r['end_s']:.1f} s, {r['updates']} updates, "
+                  f"{r['micro_batches_per_update'] or 0:.1f} micro-batches per update "
+                  f"({time.perf_counter() - started:.0f} s in all)"), flush=True)
+    return {"label": args.label, "seed": seed, "ranks": ctx.world_size, "initial_loss": initial_loss,
             "rate": os.environ.get("ACCO_BENCH_RATE", "not limited by the benchmark"),
-            "threads_per_rank": torch.get_num_threads(), "methods": runs,
-        })
-    dist.barrier()
-    dist.destroy_process_group()
+            "threads_per_rank": torch.get_num_threads(), "methods": runs}
 
 
-# --------------------------------------------------------------------------- driver side
+# ---------------------------------------------------------------------------- driver side
 
 
-def rank_arguments(args: argparse.Namespace) -> list[str]:
-    return [
-        "--methods", *args.methods, "--seeds", *map(str, args.seeds), "--budget", str(args.budget),
-        "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
-        "--micro-batches", str(args.micro_batches), "--lr", str(args.lr), "--warmup", str(args.warmup),
-        "--grad-clip", str(args.grad_clip), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-        "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--diloco", args.diloco,
-        "--max-quiet-wait", str(args.max_quiet_wait),
-    ]
-
-
-def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """throughput.py's calibration, for this model and micro-batches per update."""
-    import throughput
-
-    targs = throughput.parse_args([
-        "--ranks", str(args.ranks), "--rates", *RATE_LABELS, "--micro-batches", str(args.micro_batches),
-        "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len),
-        "--batch-size", str(args.batch_size),
-    ])
-    return throughput.calibrate_rates(targs, args.ranks)
-
-
-def driver(args: argparse.Namespace) -> None:
-    out = Path(args.out) if args.out else RESULTS_DIR / "time_to_loss.json"
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    implementation = diloco_implementation(args)
+    config = model_config(args, args.seeds[0])
     results: dict[str, Any] = {
-        "benchmark": "time_to_loss",
-        "config": {
-            **model_config(args, args.seeds[0]).as_dict(),
-            "seeds": args.seeds,
-            "ranks": args.ranks,
-            "budget_s": args.budget,
-            "eval_every_s": args.eval_every,
-            "eval_batches": args.eval_batches,
-            "micro_batches_per_update": args.micro_batches,
-            "warmup_updates": args.warmup,
-            "schedule": "linear warm-up, then constant",
-            "methods": args.methods,
-            "diloco": {"implementation": implementation, "torchft": torchft_version(),
-                       "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
-            "estimate_dtype_supported": estimate_dtype_supported(),
-            "parameters": sum(p.numel() for p in build_model(model_config(args, args.seeds[0])).parameters()),
-        },
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "command": " ".join(["benchmarks/time_to_loss.py", *(sys.argv[1:] if sys.argv[1:] else [])]),
-        "rates": {},
-        "runs": [],
+        "config": {**config.as_dict(), "seeds": args.seeds, "ranks": args.ranks, "budget_s": args.budget,
+                   "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
+                   "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
+                   "schedule": "linear warm-up, then constant", "methods": args.methods,
+                   "diloco": {"implementation": args.diloco, "torchft": torchft_version(),
+                              "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
+                   "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
+        "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
+        "rates": {}, "runs": [],
     }
     if args.rates is None:
-        calibration_started = time.perf_counter()
-        calibration = calibrate(args)
-        results["calibration"] = calibration
-        results["calibration_runtime_s"] = time.perf_counter() - calibration_started
-        results["rates"] = {label: calibration["targets"][label]["rate"] for label in RATE_LABELS}
+        labels = RATE_LABELS[:1] if args.quick else RATE_LABELS
+        targs = throughput.BENCHMARK.parse([
+            "--ranks", str(args.ranks), "--rates", *labels, "--micro-batches", str(args.micro_batches),
+            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len),
+            "--batch-size", str(args.batch_size)])
+        results["calibration"] = throughput.calibrate_rates(targs, args.ranks)
+        results["calibration_runtime_s"] = time.perf_counter() - started
+        results["rates"] = {name: results["calibration"]["targets"][name]["rate"] for name in labels}
     else:
-        results["rates"] = dict(zip(RATE_LABELS, args.rates))
-        results["calibration"] = {"given": True}
-    write_json(out, results)
-    for label, rate in results["rates"].items():
+        results["rates"], results["calibration"] = dict(zip(RATE_LABELS, args.rates)), {"given": True}
+    for name, rate in results["rates"].items():
         for seed in args.seeds:
-            print(f"time to loss: {label} ({rate}), seed {seed}", flush=True)
+            print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
             run_started = time.perf_counter()
-            with tempfile.TemporaryDirectory() as tmp:
-                rank_out = Path(tmp) / "run.json"
-                launch(args.ranks, [str(Path(__file__).resolve()), *rank_arguments(args), "--seed", str(seed),
-                                    "--label", f"{label} seed {seed}", "--out", str(rank_out)], rate)
-                run = read_json(rank_out)
-            run.update(label=label, rate=rate, runtime_s=time.perf_counter() - run_started)
+            run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
+                                   rate=rate, netns=True)
+            run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
-            write_json(out, results)  # after every launch, so a long sweep keeps what it has
-    import report
-
-    results["summary"] = report.time_to_loss_summary(results)
-    results["runtime_s"] = time.perf_counter() - started
-    write_json(out, results)
-    print(report.time_to_loss_table(results))
-    print(f"wrote {out} ({results['runtime_s'] / 60:.1f} min)")
-    if not args.no_report:
-        report.main([])
+            common.save(args, results)  # after every launch, so a long sweep keeps what it has
+    results["summary"] = summary(results)
+    print(table(results))
+    return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # started by torchrun: a rank
-        if args.out is None:
-            args.out = str(RESULTS_DIR / "time_to_loss-torchrun.json")
-        if args.label is None:
-            args.label = "torchrun"
-        rank_main(args)
-    else:
-        driver(args)
+# ----------------------------------------------------------------------- tables and plots
 
+
+def first_crossing(points: list[dict[str, Any]], target: float, key: str = "elapsed_s") -> float | None:
+    """The first ``key`` (time or updates) at which the loss curve reaches ``target`` (within
+    ``TOLERANCE``), linear between the two evaluations around it; None if it never does."""
+    for i, point in enumerate(points):
+        if point["loss"] > target + TOLERANCE:
+            continue
+        if i == 0:
+            return point[key]
+        before = points[i - 1]
+        drop = before["loss"] - point["loss"]
+        share = (before["loss"] - target - TOLERANCE) / drop if drop > 0 else 1.0
+        return before[key] + share * (point[key] - before[key])
+    return None
+
+
+def loss_at(points: list[dict[str, Any]], value: float, key: str = "updates") -> float | None:
+    """The loss curve at ``key`` = ``value`` (linear between evaluations); None past its end."""
+    for before, point in zip(points, points[1:]):
+        if before[key] <= value <= point[key]:
+            span = point[key] - before[key]
+            share = (value - before[key]) / span if span > 0 else 1.0
+            return before["loss"] + share * (point["loss"] - before["loss"])
+    return None
+
+
+def median(values: list[float | None]) -> float | None:
+    """Median with None (not reached, not measured) as +infinity; None if that is the answer."""
+    if not values:
+        return None
+    middle = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(middle) else middle
+
+
+def summary(data: dict[str, Any]) -> dict[str, Any]:
+    """Per rate and method: time to DDP + ZeRO-1's final held-out loss (fraction of the
+    budget, per seed, median), and what explains it (updates/s, micro-batches per update,
+    updates needed, loss at ZeRO-1's update count, bytes per update)."""
+    out: dict[str, Any] = {}
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        by_label.setdefault(run["label"], []).append(run)
+    for rate, runs in by_label.items():
+        goals = {str(r["seed"]): {"loss": base["final_loss"], "updates": base["updates"]}
+                 for r in runs if "points" in (base := r["methods"].get(BASELINE, {}))}
+        methods: dict[str, Any] = {}
+        for name in [n for n in dict.fromkeys([*common.METHODS, *(m for r in runs for m in r["methods"])])
+                     if any(n in r["methods"] for r in runs)]:
+            done = [r for r in runs if "points" in r["methods"].get(name, {})]
+            skipped = [r["methods"][name]["skipped"] for r in runs if "skipped" in r["methods"].get(name, {})]
+            entry: dict[str, Any] = {"skipped": skipped[0]} if skipped else {}
+            methods[name] = entry
+            if not done:
+                continue
+            curves = [(r["methods"][name]["points"], goals[str(r["seed"])]) for r in done if str(r["seed"]) in goals]
+            fractions = [None if t is None else t / data["config"]["budget_s"]
+                         for t in (first_crossing(points, goal["loss"]) for points, goal in curves)]
+            per_seed = {key: [r["methods"][name].get(key) for r in done] for key in (
+                "final_loss", "end_s", "updates_per_s", "samples_per_s", "micro_batches_per_update",
+                "lo_bytes_per_update", "updates", "foreign_cpu_share")}
+            entry.update(seeds=[r["seed"] for r in done], time_fraction=fractions,
+                         median_time_fraction=median(fractions),
+                         reached=sum(f is not None for f in fractions),
+                         updates_to_target=[first_crossing(p, g["loss"], key="updates") for p, g in curves],
+                         loss_at_baseline_updates=[loss_at(p, g["updates"]) for p, g in curves],
+                         final_loss=per_seed["final_loss"], median_final_loss=median(per_seed["final_loss"]),
+                         end_s=per_seed["end_s"])
+            for key in ("updates_per_s", "samples_per_s", "micro_batches_per_update", "lo_bytes_per_update",
+                        "updates", "foreign_cpu_share"):
+                entry[key] = median([v for v in per_seed[key] if v is not None])
+            entry.update({k: v for k, v in done[0]["methods"][name].items()
+                          if k in ("implementation", "sync_every", "lo_bytes_per_sync")})
+        acco = {n: e["median_time_fraction"] for n, e in methods.items()
+                if n.startswith("acco") and e.get("median_time_fraction") is not None}
+        out[rate] = {"rate": runs[0]["rate"], "targets": goals, "methods": methods,
+                     "best_acco": min(acco, key=acco.get) if acco else None}
+    return out
+
+
+def spread(values: list[float | None], fmt: str) -> str:
+    """Median (min-max) of the seeds' values."""
+    present = [v for v in values if v is not None]
+    if len(present) < 2:
+        return format(present[0], fmt) if present else "-"
+    return f"{format(statistics.median(present), fmt)} ({format(min(present), fmt)}-{format(max(present), fmt)})"
+
+
+def fraction_cell(entry: dict[str, Any]) -> str:
+    fractions = entry.get("time_fraction", [])
+    if not fractions:
+        return ""
+    if entry["median_time_fraction"] is None:
+        shown = ", ".join("not reached" if f is None else f"{f:.2f}" for f in fractions)
+        return f"not reached ({shown})" if len(fractions) > 1 else "not reached"
+    if len(fractions) == 1:
+        return f"{fractions[0]:.2f}"
+    return f"**{entry['median_time_fraction']:.2f}** ({min(fractions):.2f}-{max(fractions):.2f})"
+
+
+def table(data: dict[str, Any]) -> str:
+    """One table per rate: time to ZeRO-1's final loss and what explains it."""
+    out = []
+    for rate, s in (data.get("summary") or summary(data)).items():
+        rows = []
+        for name, e in s["methods"].items():
+            if "final_loss" not in e:
+                continue  # not run: listed under the tables, with the reason
+            per_byte = f"{e['lo_bytes_per_update'] / 1e6:.2f}" if e.get("lo_bytes_per_update") else "-"
+            if e.get("lo_bytes_per_sync"):
+                per_byte += f" ({e['lo_bytes_per_sync'] / 1e6:.1f} per sync)"
+            rows.append([common.label(name), fraction_cell(e), spread(e["final_loss"], ".3f"),
+                         f"{e['updates_per_s']:.2f}" if e.get("updates_per_s") is not None else "-",
+                         f"{e['micro_batches_per_update']:.1f}" if e.get("micro_batches_per_update") else "-",
+                         spread(e["updates_to_target"], ".0f"), spread(e["loss_at_baseline_updates"], ".3f"),
+                         f"{e['samples_per_s']:.1f}" if e.get("samples_per_s") is not None else "-", per_byte])
+        goals = ", ".join(f"seed {seed}: {t['loss']:.3f} after {t['updates']} updates"
+                          for seed, t in s["targets"].items())
+        out += [f"**{rate} ({common.rate_text(s['rate'])})**: ZeRO-1's final held-out loss {goals}.", "",
+                common.md_table(
+            ["method", "time to ZeRO-1's final loss (fraction of the budget)", "final held-out loss", "updates/s",
+             "micro-batches per update", "updates to ZeRO-1's final loss", "loss at ZeRO-1's update count",
+             "samples/s", "loopback MB per update"], rows), ""]
+    return "\n".join(out)
+
+
+def section(data: dict[str, Any]) -> str:
+    cfg, s = data["config"], data.get("summary") or summary(data)
+    diloco = cfg["diloco"]
+    implementation = (f"torchft {diloco['torchft']}'s `DiLoCo`" if diloco["implementation"] == "torchft"
+                      else "a plain implementation of DiLoCo (Douillard et al. 2023), not torchft")
+    intro = (f"{cfg['ranks']} ranks, {common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} "
+             f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
+             f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per "
+             f"method**, held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of "
+             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: {implementation}. "
+             f"Cells with a range: median (min-max) over the seeds.")
+    calibration = data.get("calibration", {})
+    if calibration.get("targets"):
+        base = calibration["unlimited"]
+        rates = "; ".join(f"{name}: {common.rate_text(t['rate'])} (communication alone "
+                          f"{t['comm_s_per_round'] * 1000:.0f} ms per round, {t['ratio']:.2f} x compute)"
+                          for name, t in calibration["targets"].items())
+        intro += (f" Calibration: one acco round computes in {base['compute_s_per_round'] * 1000:.0f} ms and moves "
+                  f"{base['lo_bytes_per_round'] / 1e6:.1f} MB on the loopback; {rates}.")
+    elif data.get("rates"):
+        intro += " Rates given on the command line: " + ", ".join(
+            f"{name} {common.rate_text(rate)}" for name, rate in data["rates"].items()) + "."
+    lines = [f"- {rate}: the best acco configuration, {common.label(row[0])}, reaches ZeRO-1's final loss in "
+             f"{row[1]:.2f} of the budget (bar: <= {BAR[rate]}): {'met' if row[1] <= BAR[rate] else '**not met**'}."
+             for rate, row in best_acco(s).items() if row is not None]
+    skipped = {n: e["skipped"] for r in s.values() for n, e in r["methods"].items() if "final_loss" not in e}
+    lines += [f"- Not run: {common.label(name)}: {reason}." for name, reason in skipped.items()]
+    return "\n".join([intro, "", table(data)] + lines)
+
+
+def best_acco(s: dict[str, Any]) -> dict[str, tuple[str, float] | None]:
+    """Per rate with a bar: the acco configuration that reaches ZeRO-1's loss soonest."""
+    return {rate: (r["best_acco"], r["methods"][r["best_acco"]]["median_time_fraction"]) if r.get("best_acco") else None
+            for rate, r in s.items() if rate in BAR}
+
+
+def plot(data: dict[str, Any], path: Path) -> str:
+    plt = common.pyplot()
+    s, budget = data.get("summary") or summary(data), data["config"]["budget_s"]
+    rates = list(s)
+    names = [n for n in s[rates[0]]["methods"] if any("final_loss" in r["methods"].get(n, {}) for r in s.values())]
+    fig = plt.figure(figsize=(7 * max(2, len(rates)), 10))
+    grid = fig.add_gridspec(2, max(2, len(rates)), height_ratios=[3, 2])
+    initial = max(r["initial_loss"] for r in data["runs"])
+    for column, rate in enumerate(rates):
+        ax = fig.add_subplot(grid[0, column])
+        runs = [r for r in data["runs"] if r["label"] == rate]
+        for name in names:
+            spec = common.method_spec(name)
+            for i, run in enumerate(r for r in runs if "points" in r["methods"].get(name, {})):
+                points = run["methods"][name]["points"]
+                ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=spec.colour,
+                        ls=spec.line, lw=2 if name == BASELINE else 1.3, alpha=1.0 if i == 0 else 0.35,
+                        marker="." if i == 0 else None, label=common.label(name).replace("`", "") if i == 0 else None)
+        for goal in s[rate]["targets"].values():
+            ax.axhline(goal["loss"], color="gray", lw=0.7, ls="--")
+        ax.axvline(budget, color="gray", lw=0.7)
+        losses = [p["loss"] for r in runs for m in r["methods"].values() for p in m.get("points", [])]
+        ax.set_ylim(min(losses) - 0.05, initial + 0.05)
+        ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss",
+               title=f"{rate} ({common.rate_text(s[rate]['rate'])}); faint: other seeds; dashed: ZeRO-1's final loss")
+        if column == 0:
+            ax.legend(fontsize=7, loc="upper right")
+    bars = fig.add_subplot(grid[1, :])
+    width = 0.8 / len(rates)
+    for j, rate in enumerate(rates):
+        values = [s[rate]["methods"].get(n, {}).get("median_time_fraction") for n in names]
+        xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(names))]
+        bars.bar(xs, [v or 0 for v in values], width, color=f"C{j}", label=rate)
+        for x, v in zip(xs, values):
+            if v is None:
+                bars.text(x, 0.02, "not reached", rotation=90, fontsize=7, ha="center", va="bottom")
+        if rate in BAR:
+            bars.axhline(BAR[rate], color=f"C{j}", lw=0.8, ls="--")
+    bars.axhline(1.0, color="gray", lw=0.7)
+    bars.set_xticks(range(len(names)), [common.label(n).replace("`", "") for n in names], rotation=20, ha="right",
+                    fontsize=8)
+    bars.set(ylabel="fraction of the budget (median over seeds)",
+             title="time to DDP + ZeRO-1's final held-out loss (dashed: the issue's bar at each rate)")
+    bars.legend(fontsize=8)
+    return common.save_figure(fig, path, dpi=100)
+
+
+def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
+    data = results.get("time_to_loss")
+    if data is None:
+        return {}
+    return {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    data = results.get("time_to_loss")
+    if data is None:
+        return []
+    return [(f"{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {BAR[rate]} of "
+             "the same wall-clock budget (time_to_loss.py, median over seeds)",
+             f"{row[1]:.2f} ({common.label(row[0])})" if row else "not reached",
+             row is not None and row[1] <= BAR[rate])
+            for rate, row in best_acco(data.get("summary") or summary(data)).items()]
+
+
+def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
+    data = results.get("time_to_loss")
+    if data is None:
+        return []
+    rows = [("time_to_loss", data["runtime_s"])]
+    if data.get("calibration_runtime_s"):
+        rows.append(("  calibration", data["calibration_runtime_s"]))
+    return rows + [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
+
+
+BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, quick, check)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main(BENCHMARK)
