@@ -55,12 +55,12 @@ def start_identical(
     comm: Collectives,
     options: Options,
     header: list[str],
-    module_buffers: BufferSync | None = None,
+    buffer_sync: BufferSync | None = None,
 ) -> None:
     """Check that every rank built the same groups (and module buffers), then give every
     rank rank 0's parameters and buffers. ``ValueError`` on every rank when the model, mode,
     layout or optimizer class differs. Collective."""
-    extra = "" if module_buffers is None else module_buffers.fingerprint()
+    extra = "" if buffer_sync is None else buffer_sync.fingerprint()
     fingerprint = "|".join(
         [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra]
         + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
@@ -74,8 +74,8 @@ def start_identical(
         initial = group.initial_values()
         comm.broadcast_(initial, src=0)
         group.set_initial_values(initial)
-    if module_buffers is not None:
-        module_buffers.land(module_buffers.synchronised(comm, broadcast=True), exact=True)
+    if buffer_sync is not None:
+        buffer_sync.land(buffer_sync.synchronised(comm, broadcast=True), exact=True)
 
 
 class ShardedGroup:
@@ -180,7 +180,7 @@ class ShardedGroup:
         self._accumulator_views = self._views(self.grad_accumulator)
         # The estimate round's copy of the master shard and optimizer state (acco mode),
         # allocated at the first estimate and reused by every later one.
-        self.estimate_copy: ShardCopy | None = None
+        self._estimate_copy: ShardCopy | None = None
         self._live_aside: list[Tensor] | None = None  # eval()'s copy of the live parameters
 
     def _views(self, buffer: Tensor) -> list[Tensor]:
@@ -254,22 +254,29 @@ class ShardedGroup:
             self.point_master_views(self._master)
         return self._master
 
-    def master_values(self, in_flight: bool) -> Tensor:
-        """A copy of the committed master shard at a round boundary (``in_flight``: a
+    def shard_copy(self) -> ShardCopy:
+        """The estimate round's copy of the master shard and optimizer state (allocated at
+        the first estimate, reused by every later one)."""
+        if self._estimate_copy is None:
+            self._estimate_copy = ShardCopy()
+        return self._estimate_copy
+
+    def master_values(self, result_pending: bool) -> Tensor:
+        """A copy of the committed master shard at a round boundary (``result_pending``: a
         finished round has not been loaded yet; its result is the committed values)."""
         if not self.master_in_params:
             return self._master.clone()
-        if in_flight:
+        if result_pending:
             return self.gather_input.clone()
         shard = torch.empty(self.plan.chunk, dtype=self.master_dtype, device=self.device)
         self._params_to_shard(shard)
         return shard
 
-    def load_master_values(self, values: Tensor, in_flight: bool) -> None:
-        """Restore the committed master shard (``in_flight``: a replayed round brings it)."""
+    def load_master_values(self, values: Tensor, result_pending: bool) -> None:
+        """Restore the committed master shard (``result_pending``: a replayed round brings it)."""
         if not self.master_in_params:
             self._master.copy_(values)
-        elif not in_flight:
+        elif not result_pending:
             # The master shard is the live parameters' chunk: write it there (the same
             # values when the model's state was restored too).
             start, _ = self.plan.rank_range(self.rank)
@@ -344,7 +351,7 @@ class ShardedGroup:
             "master": 0 if self.master_in_params else self._master.nbytes,
             "master_grad": 0 if self._master_grad is None else self._master_grad.nbytes,
         }
-        sizes["estimate_copy"] = 0 if self.estimate_copy is None else self.estimate_copy.nbytes()
+        sizes["estimate_copy"] = 0 if self._estimate_copy is None else self._estimate_copy.nbytes()
         return sizes
 
     def accumulator_views(self) -> list[Tensor]:

@@ -87,7 +87,9 @@ def _same_weight(a: float | Tensor, b: float | Tensor) -> bool:
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` is ``b``'s memory (a gradient view of the accumulator)."""
+    """Whether ``a`` is ``b`` or ``b``'s memory (a gradient view of the accumulator)."""
+    if a is b:
+        return True  # also an empty view, whose memory cannot be told apart
     if a.is_sparse or a.numel() == 0:
         return False  # empty tensors may all share one null pointer
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype

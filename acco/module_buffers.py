@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from acco.collectives import Collectives
 
-__all__ = ["BufferPolicy", "BufferSnapshot", "BufferSync", "module_buffers"]
+__all__ = ["BufferPolicy", "BufferSnapshot", "BufferSync", "buffer_sync_for"]
 
 
 class BufferPolicy(str, enum.Enum):
@@ -52,6 +52,9 @@ class BufferSnapshot:
 class BufferSync:
     """Snapshots, synchronises and lands one module's persistent buffers.
 
+    Buffers are looked up by name each time, so a buffer the model replaces
+    (``module.running_mean = new_tensor``, ``model.to(...)``) stays synchronised.
+
     Args:
         module: the model whose buffers to keep identical.
         policy: ``BufferPolicy.BROADCAST`` or ``BufferPolicy.AVERAGE``.
@@ -62,17 +65,21 @@ class BufferSync:
     def __init__(self, module: nn.Module, policy: BufferPolicy, rank: int, world_size: int) -> None:
         persistent = module.state_dict(keep_vars=True)
         self.names = [name for name, _ in module.named_buffers() if name in persistent]
-        self.buffers = [buffer for name, buffer in module.named_buffers() if name in persistent]
+        self._module = module
         self.policy = policy
         self.rank, self.world_size = rank, world_size
 
+    @property
+    def buffers(self) -> list[Tensor]:
+        return [self._module.get_buffer(name) for name in self.names]
+
     def fingerprint(self) -> str:
         return f"{self.policy.value}:" + ";".join(
-            f"{name}:{tuple(b.shape)}:{b.dtype}" for name, b in zip(self.names, self.buffers)
+            f"{name}:{tuple(b.shape)}:{b.dtype}:{b.device.type}" for name, b in zip(self.names, self.buffers)
         )
 
     def snapshot(self) -> BufferSnapshot:
-        """A copy of the buffers now (enqueued on the training thread's stream)."""
+        """A copy of the buffers now (on the calling thread's stream)."""
         return BufferSnapshot([b.detach().clone() for b in self.buffers])
 
     def synchronised(self, comm: Collectives, *, broadcast: bool = False) -> BufferSnapshot:
@@ -97,7 +104,8 @@ class BufferSync:
                     flat.div_(self.world_size)
                 else:
                     comm.broadcast_(flat, src=0)
-                torch._foreach_copy_(same, [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in same]), same)])
+                parts = flat.split([v.numel() for v in same])
+                torch._foreach_copy_(same, [part.view(v.shape) for part, v in zip(parts, same)])
         snapshot.synced = synced
 
     def land(self, snapshot: BufferSnapshot, *, exact: bool = False) -> None:
@@ -114,30 +122,39 @@ class BufferSync:
                 elif self.rank != 0:
                     buffer.copy_(synced)  # rank 0's; rank 0 keeps its own, as with DDP
 
-    def state_dict(self, in_flight: BufferSnapshot | None) -> dict[str, Any]:
-        """This rank's live buffers and the round in flight's snapshot (already synchronised)."""
+    def state_dict(self, pending: BufferSnapshot | None) -> dict[str, Any]:
+        """This rank's live buffers and the snapshot of the round in flight (``pending``,
+        already synchronised), if any."""
         return {
             "names": list(self.names),
             "live": [b.detach().clone() for b in self.buffers],
-            "snapshot": None if in_flight is None else list(in_flight.values),
-            "synced": None if in_flight is None or in_flight.synced is None else list(in_flight.synced),
+            "snapshot": None if pending is None else list(pending.values),
+            "synced": None if pending is None or pending.synced is None else list(pending.synced),
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> BufferSnapshot | None:
-        """Restore the live buffers; returns the round in flight's snapshot, if any."""
+    def check_state_dict(self, saved: dict[str, Any]) -> None:
+        """``ValueError`` unless ``saved`` holds buffers of these names, shapes and dtypes."""
         if list(saved["names"]) != self.names:
             raise ValueError(f"saved module buffers {saved['names']} differ from this module's {self.names}")
+        for name, value, buffer in zip(self.names, saved["live"], self.buffers):
+            if not isinstance(value, Tensor) or value.shape != buffer.shape or value.dtype != buffer.dtype:
+                raise ValueError(f"saved module buffer {name!r} does not match this module's {tuple(buffer.shape)} {buffer.dtype}")
+
+    def load_state_dict(self, saved: dict[str, Any]) -> BufferSnapshot | None:
+        """Restore the live buffers (checked by :meth:`check_state_dict`); returns the round
+        in flight's snapshot, if any."""
+        buffers = self.buffers
         with torch.no_grad():
-            torch._foreach_copy_(self.buffers, [v.to(b.device) for v, b in zip(saved["live"], self.buffers)])
+            torch._foreach_copy_(buffers, [v.to(b.device) for v, b in zip(saved["live"], buffers)])
         if saved["snapshot"] is None:
             return None
-        device = [b.device for b in self.buffers]
+        devices = [b.device for b in buffers]
         return BufferSnapshot(
-            [v.to(d) for v, d in zip(saved["snapshot"], device)], [v.to(d) for v, d in zip(saved["synced"], device)]
+            [v.to(d) for v, d in zip(saved["snapshot"], devices)], [v.to(d) for v, d in zip(saved["synced"], devices)]
         )
 
 
-def module_buffers(
+def buffer_sync_for(
     module: nn.Module | None, policy: BufferPolicy | None, rank: int, world_size: int
 ) -> BufferSync | None:
     """The buffers to keep identical: None without a module or a policy, with one rank, or
@@ -145,4 +162,4 @@ def module_buffers(
     if module is None or policy is None or world_size == 1:
         return None
     sync = BufferSync(module, policy, rank, world_size)
-    return sync if sync.buffers else None
+    return sync if sync.names else None

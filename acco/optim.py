@@ -28,7 +28,7 @@ from acco.buffers import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
 from acco.lane import make_lane
-from acco.module_buffers import BufferPolicy, module_buffers
+from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
 from acco.layout import Layout, ShardPlan
 from acco.options import (
     DEFAULT_TIMEOUT,
@@ -38,7 +38,6 @@ from acco.options import (
     base_hyperparams,
     build_base_optimizer,
     check_estimate_dtypes,
-    check_optimizer_class,
     probe_defaults,
     resolve_groups,
 )
@@ -135,7 +134,6 @@ class AccoOptimizer(torch.optim.Optimizer):
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
         # checks pass, so a bad argument never leaves a half-built optimizer or a hung rank.
-        check_optimizer_class(optimizer_class)
         options = Options.check(
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
@@ -153,16 +151,19 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._sealed = True
         self._groups = build_groups(self.param_groups, options, self.rank, self.world_size)
         self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
-        self._buffers = module_buffers(params if isinstance(params, nn.Module) else module, options.buffers, self.rank, self.world_size)
+        if isinstance(params, nn.Module) and module is not None and module is not params:
+            raise ValueError("module= names another model than params: pass the model once, as params or as module")
+        module = params if isinstance(params, nn.Module) else module
+        self._buffer_sync = buffer_sync_for(module, options.buffer_policy, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
         names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
-        start_identical(self._groups, self._comm, options, names, self._buffers)
+        start_identical(self._groups, self._comm, options, names, self._buffer_sync)
         self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options, self._buffers)
+        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options, self._buffer_sync)
         self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False
@@ -173,7 +174,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         """End a micro-batch: fold its gradients into this round's accumulator.
 
         Without ``weight`` (equal weights) ``p.grad`` becomes a view of the accumulator after
-        the first call (it then holds the round's running sum; no gradient copy exists).
+        the first call (the round's running sum; no gradient copy), or, where ``reduce_dtype``
+        differs from the parameters' dtype, a hook folds it and ``p.grad`` stays None.
         With ``weight``, ``p.grad`` is kept until this call and set to None (one model size
         more at the end of each backward): declare unequal weights before ``backward()``
         with :meth:`micro_batch` to avoid that. See :mod:`acco.folding`. Parameters without
@@ -295,9 +297,8 @@ class AccoOptimizer(torch.optim.Optimizer):
                 committed = False
             else:
                 committed = self._land_in_flight()
-            if self._buffers is not None:  # once more, without delay: identical from here on
-                final = functools.partial(self._buffers.synchronised, self._lane_comm)
-                self._buffers.land(self._lane.run(final, self.options.wait_seconds), exact=True)
+            if self._buffer_sync is not None:  # once more, without delay: identical from here on
+                self._buffer_sync.land(self._final_buffer_sync(), exact=True)
             self._recorder.resolve(block=True)
             return committed
         finally:
@@ -367,7 +368,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Load the committed parameters into the model, to evaluate or save it.
 
         The schedule-free convention that ``transformers.Trainer`` and accelerate follow.
-        Afterwards the model holds what :meth:`finish` would leave (``num_updates +
+        Afterwards the model holds the parameters :meth:`finish` would leave (``num_updates +
         (in_flight is RoundKind.COMMIT)`` updates): a commit round in flight is waited for
         (not collective), its result loaded, and the live parameters (the acco estimate, or
         dpu's) set aside until :meth:`train` (one copy of the parameters meanwhile).
@@ -405,23 +406,21 @@ class AccoOptimizer(torch.optim.Optimizer):
         # The hyper-parameters in param_groups now: a commit round is handed over after the
         # scheduler has stepped for the previous update, so committed updates follow the
         # schedule exactly as in sync mode.
-        round_ = self._schedule.launch(grads, [base_hyperparams(g) for g in self.param_groups])
-        round_.buffers = None if self._buffers is None else self._buffers.snapshot()
-        round_.future = self._lane.submit(lambda: self._runner.run(round_))
-        self._schedule.in_flight = round_
+        hyperparams = [base_hyperparams(g) for g in self.param_groups]
+        snapshot = None if self._buffer_sync is None else self._buffer_sync.snapshot()
+        self._schedule.launch(grads, hyperparams, snapshot, lambda round_: self._lane.submit(lambda: self._runner.run(round_)))
 
     def _land_in_flight(self) -> bool:
         """Wait for the round in flight and load its result into the model."""
-        round_ = self._schedule.in_flight
+        round_ = self._schedule.take_in_flight()
         if round_ is None:
             return False
-        self._schedule.in_flight = None
         stats = self._schedule.wait(round_)
         with record_function("acco.load_params"):
             for group in self._groups:
                 group.load_params_from_buffer()
-            if round_.buffers is not None:
-                self._buffers.land(round_.buffers)
+            if round_.buffer_snapshot is not None:
+                self._buffer_sync.land(round_.buffer_snapshot)
         if round_.kind is RoundKind.COMMIT and stats.skipped:
             self.skipped_updates += 1
             return False
@@ -430,6 +429,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.committed_weight += stats.update_weight
             return True
         return False
+
+    def _final_buffer_sync(self) -> BufferSnapshot:
+        """The module buffers synchronised on the comm lane now (``finish()``)."""
+        try:
+            return self._lane.run(functools.partial(self._buffer_sync.synchronised, self._lane_comm), self.options.wait_seconds)
+        except Exception as error:
+            raise CommLaneError(f"the final module-buffer synchronisation failed on the comm lane: {error}") from error
 
     def _check_params_unchanged(self) -> None:
         for number, group in enumerate(self._groups):
@@ -452,10 +458,10 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._schedule.wait(round_)
         return build_state_dict(
             self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
-            world_size=self.world_size, round_state=self._schedule.state_dict(self.in_flight),
+            world_size=self.world_size, round_state=self._schedule.state_dict(),
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
                     "committed_weight": self.committed_weight},
-            buffers=None if self._buffers is None else self._buffers.state_dict(round_ and round_.buffers),
+            buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
         )  # fmt: skip
 
     def check_state_dict(self, state_dict: Any) -> None:
@@ -464,13 +470,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         check_state_dict(
             state_dict, mode=self.mode.value, rank=self.rank, world_size=self.world_size,
             param_groups=self.param_groups, groups=self._groups,
-            buffer_names=None if self._buffers is None else self._buffers.names,
+            buffer_sync=self._buffer_sync,
         )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` with the same world size and layouts.
 
-        Into a fresh optimizer (no ``accumulate()`` or ``step()`` yet); for another world size or
+        Into a fresh optimizer (no ``accumulate()`` or ``step()`` yet), after the model's own
+        ``load_state_dict`` (this writes this rank's module buffers); for another world size or
         layout use :func:`acco.checkpoint.load`. A mismatch is a ``ValueError``, before any change.
 
         .. warning:: Collective when the saved state has a round in flight (its result is
@@ -484,13 +491,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         in_flight_kind = saved["round"]["in_flight_kind"]
         # On the lane, so the base optimizers' state is allocated on the stream that uses it.
         run_on_lane = functools.partial(self._lane.run, timeout=self.options.wait_seconds)
-        in_flight_buffers = restore_groups(state_dict, self.param_groups, self._groups, self._base, self._buffers, run_on_lane)
+        snapshot = restore_groups(state_dict, self.param_groups, self._groups, self._base, self._buffer_sync, run_on_lane)
         self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
         self._schedule.load_state_dict(saved["round"])
-        if in_flight_kind is not None:
-            # The saved round in flight again: its result only needs all-gathering.
-            round_ = self._schedule.replayed(RoundKind(in_flight_kind))
-            round_.buffers = in_flight_buffers
-            round_.future = self._lane.submit(lambda: self._runner.replay(round_))
-            self._schedule.in_flight = round_
+        if in_flight_kind is not None:  # the saved round in flight again: only its all-gather runs
+            submit = lambda round_: self._lane.submit(lambda: self._runner.replay(round_))  # noqa: E731
+            self._schedule.replay(RoundKind(in_flight_kind), snapshot, submit)

@@ -90,7 +90,7 @@ class Options:
     reduce_dtype: torch.dtype | None
     timeout: datetime.timedelta
     estimate_dtype: torch.dtype | None
-    buffers: BufferPolicy | None = BufferPolicy.BROADCAST
+    buffer_policy: BufferPolicy | None = BufferPolicy.BROADCAST
 
     @classmethod
     def check(
@@ -132,7 +132,7 @@ class Options:
             reduce_dtype=reduce_dtype,
             timeout=timeout,
             estimate_dtype=estimate_dtype,
-            buffers=None if buffers is None else parse_enum(BufferPolicy, buffers, "buffers"),
+            buffer_policy=None if buffers is None else parse_enum(BufferPolicy, buffers, "buffers"),
         )
 
     @property

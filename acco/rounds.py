@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ class Round:
         hyperparams: per param group, the hyper-parameters when the round was handed over.
         stats: its telemetry.
         future: the comm lane's result.
-        buffers: the module buffers' snapshot the round synchronises (None: none kept).
+        buffer_snapshot: the module buffers the round synchronises (None: none kept).
         waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
     """
 
@@ -62,7 +63,7 @@ class Round:
     hyperparams: list[dict[str, Any]]
     stats: RoundStats
     future: LaneFuture[RoundStats] | None = None
-    buffers: BufferSnapshot | None = None
+    buffer_snapshot: BufferSnapshot | None = None
     waited: bool = False
 
 
@@ -94,17 +95,25 @@ class RoundSchedule:
         self.pending.add(weight)
         self.current.add(weight)
 
-    def launch(self, grads: list[Tensor], hyperparams: list[dict[str, Any]]) -> Round:
-        """The next round, with the weights accumulated for it; advances the schedule."""
+    def launch(
+        self,
+        grads: list[Tensor],
+        hyperparams: list[dict[str, Any]],
+        buffer_snapshot: BufferSnapshot | None,
+        submit: Callable[[Round], LaneFuture[RoundStats]],
+    ) -> None:
+        """Put the next round, with the weights accumulated for it, in flight (``submit``
+        hands it to the comm lane); advances the schedule."""
         kind = self.next_kind
         stats = RoundStats(self.launched, kind, self.current.micro_batches, self.current.host)
-        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats)
+        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats, None, buffer_snapshot)
         if kind is RoundKind.COMMIT:
             self.pending = WeightSum()
         self.current = WeightSum()
         self.launched += 1
         self.next_kind = self.following(kind)
-        return round_
+        round_.future = submit(round_)
+        self.in_flight = round_
 
     def take_in_flight(self) -> Round | None:
         """The round in flight, which is no longer in flight afterwards."""
@@ -141,16 +150,24 @@ class RoundSchedule:
             return RoundKind.COMMIT if kind is RoundKind.ESTIMATE else RoundKind.ESTIMATE
         return RoundKind.COMMIT
 
-    def replayed(self, kind: RoundKind) -> Round:
-        """The last launched round re-created from a checkpoint: only its all-gather runs."""
+    def replay(
+        self,
+        kind: RoundKind,
+        buffer_snapshot: BufferSnapshot | None,
+        submit: Callable[[Round], LaneFuture[RoundStats]],
+    ) -> None:
+        """Put the last launched round, re-created from a checkpoint, in flight again: only
+        its all-gather runs (``submit``)."""
         stats = RoundStats(self.launched - 1, kind, 0, 0.0, replayed=True)
-        return Round(kind, [], WeightSum(), WeightSum(), [], stats)
+        round_ = Round(kind, [], WeightSum(), WeightSum(), [], stats, None, buffer_snapshot)
+        round_.future = submit(round_)
+        self.in_flight = round_
 
-    def state_dict(self, in_flight: RoundKind | None) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "rounds_launched": self.launched,
             "next_kind": self.next_kind.value,
-            "in_flight_kind": None if in_flight is None else in_flight.value,
+            "in_flight_kind": None if self.in_flight is None else self.in_flight.kind.value,
             "pending_weight": self.pending.total(),
             "pending_micro_batches": self.pending.micro_batches,
             "round_weight": self.current.total(),

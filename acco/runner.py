@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from acco.buffers import ShardCopy, ShardedGroup
+from acco.buffers import ShardedGroup
 from acco.collectives import Collectives
 from acco.lane import DeviceHooks
 from acco.module_buffers import BufferSync
@@ -71,9 +71,7 @@ class RoundRunner:
                 update_weight, nonfinite = self._totals(round_)
             if nonfinite:  # no update: the round's result is the committed shard, unchanged
                 stats.skipped = True
-                for group in self._groups:
-                    group.gather_input.copy_(group.prepare_master())
-                self._all_gather(stats)
+                self._all_gather(stats, unchanged=True)
                 self._synchronise_buffers(round_)
                 record.lane_end(stats)
                 return stats
@@ -112,12 +110,15 @@ class RoundRunner:
         self._recorder.lane_end(round_.stats)
         return round_.stats
 
-    def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None) -> None:
+    def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None, unchanged: bool = False) -> None:
         """Every rank's ``gather_input`` into ``gathered``. With ``delta_from`` (the light
         estimate round: the committed master shards, which every rank's live parameters
-        hold in full) only the delta from them travels, in ``estimate_dtype``."""
+        hold in full) only the delta from them travels, in ``estimate_dtype``; ``unchanged``
+        (a skipped round) sends the committed master shards themselves."""
         with self._recorder.phase(stats, "all-gather"):
             for number, group in enumerate(self._groups):
+                if unchanged:
+                    group.gather_input.copy_(group.prepare_master())
                 if delta_from is None:
                     self._comm.all_gather(group.gathered, group.gather_input)
                     continue
@@ -125,9 +126,9 @@ class RoundRunner:
                 group.gather_from_delta(*self._comm.all_gather_quantized(delta, self._options.estimate_dtype))
 
     def _synchronise_buffers(self, round_: Round) -> None:
-        if round_.buffers is not None and self._buffer_sync is not None:
+        if round_.buffer_snapshot is not None and self._buffer_sync is not None:
             with self._recorder.phase(round_.stats, "buffers"):
-                self._buffer_sync.synchronise(round_.buffers, self._comm)
+                self._buffer_sync.synchronise(round_.buffer_snapshot, self._comm)
 
     def _totals(self, round_: Round) -> tuple[float, float]:
         """All-reduce this rank's weights and flags; returns (update weight, how many
@@ -211,23 +212,22 @@ def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: d
         base.step()
         group.gather_input.copy_(group.master)
         return
-    if group.estimate_copy is None:
-        group.estimate_copy = ShardCopy()
+    estimate_copy = group.shard_copy()
     workspace = group.shard_workspace()
     if workspace is None:  # step the real shard, then put it back from the copy
-        group.estimate_copy.save(group.master, base.state)
+        estimate_copy.save(group.master, base.state)
         base.step()
         group.gather_input.copy_(group.master)
-        group.estimate_copy.restore(group.master, base.state)
+        estimate_copy.restore(group.master, base.state)
         return
     # Step a working copy of the shard held in a chunk of the round's buffer that was sent
     # already: the master shard itself is never touched, so it needs no copy.
     workspace.copy_(group.master)
     group.point_master_views(workspace)
     try:
-        group.estimate_copy.save(None, base.state)
+        estimate_copy.save(None, base.state)
         base.step()
         group.gather_input.copy_(workspace)
-        group.estimate_copy.restore(None, base.state)
+        estimate_copy.restore(None, base.state)
     finally:
         group.point_master_views(group.master)

@@ -56,7 +56,7 @@ def build_state_dict(
     buffers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state dict above, at a round boundary (a round in flight has been waited for)."""
-    in_flight = round_state["in_flight_kind"] is not None
+    result_pending = round_state["in_flight_kind"] is not None
     return {
         "state": {},
         "param_groups": _param_groups_state(param_groups),
@@ -69,7 +69,7 @@ def build_state_dict(
             **counts,
             "round": round_state,
             "buffers": buffers,
-            "groups": [_group_state(g, s, b, in_flight) for g, s, b in zip(param_groups, groups, base_optimizers)],
+            "groups": [_group_state(g, s, b, result_pending) for g, s, b in zip(param_groups, groups, base_optimizers)],
         },
     }
 
@@ -79,7 +79,7 @@ def restore_groups(
     param_groups: Sequence[dict[str, Any]],
     groups: Sequence[ShardedGroup],
     base_optimizers: Sequence[torch.optim.Optimizer | None],
-    module_buffers: BufferSync | None,
+    buffer_sync: BufferSync | None,
     run_on_lane: Callable[[Callable[[], None]], None],
 ) -> BufferSnapshot | None:
     """Load a checked state dict's hyper-parameters, shards, accumulators, base optimizer
@@ -87,19 +87,19 @@ def restore_groups(
     result into ``gather_input`` for the replayed round to all-gather; returns that round's
     buffer snapshot (None: no buffers kept, or no round in flight)."""
     saved = state_dict["acco"]
-    in_flight = saved["round"]["in_flight_kind"] is not None
+    result_pending = saved["round"]["in_flight_kind"] is not None
     for group, values in zip(param_groups, state_dict["param_groups"]):
         group.update(base_hyperparams(values))
     for sharded, base, values in zip(groups, base_optimizers, saved["groups"]):
-        sharded.load_master_values(values["master"], in_flight=in_flight)
+        sharded.load_master_values(values["master"], result_pending=result_pending)
         sharded.grad_accumulator.copy_(values["grad_accumulator"])
         if base is not None:
             run_on_lane(functools.partial(_load_base_state, sharded, base, values["base_state"]))
-        if in_flight:
+        if result_pending:
             sharded.gather_input.copy_(values["in_flight_result"])
-    if module_buffers is None or saved.get("buffers") is None:
+    if buffer_sync is None or saved.get("buffers") is None:
         return None
-    return module_buffers.load_state_dict(saved["buffers"])
+    return buffer_sync.load_state_dict(saved["buffers"])
 
 
 def _param_groups_state(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -120,9 +120,9 @@ def _param_groups_state(param_groups: Sequence[dict[str, Any]]) -> list[dict[str
 
 
 def _group_state(
-    group: dict[str, Any], sharded: ShardedGroup, base: torch.optim.Optimizer | None, in_flight: bool
+    group: dict[str, Any], sharded: ShardedGroup, base: torch.optim.Optimizer | None, result_pending: bool
 ) -> dict[str, Any]:
-    """One entry of ``acco.groups``, at a round boundary (``in_flight``: a finished round's
+    """One entry of ``acco.groups``, at a round boundary (``result_pending``: a finished round's
     result has not been loaded yet)."""
     return {
         "layout": sharded.plan.layout.value,
@@ -131,9 +131,9 @@ def _group_state(
         "chunk": sharded.plan.chunk,
         "param_dtype": str(sharded.param_dtype),
         "reduce_dtype": str(sharded.reduce_dtype),
-        "master": sharded.master_values(in_flight=in_flight),
+        "master": sharded.master_values(result_pending=result_pending),
         "base_state": _base_state(sharded, base),
-        "in_flight_result": sharded.gather_input.clone() if in_flight else None,
+        "in_flight_result": sharded.gather_input.clone() if result_pending else None,
         "grad_accumulator": sharded.grad_accumulator.clone(),
     }
 
@@ -146,7 +146,7 @@ def check_state_dict(
     world_size: int,
     param_groups: Sequence[dict[str, Any]],
     groups: Sequence[ShardedGroup],
-    buffer_names: Sequence[str] | None = None,
+    buffer_sync: BufferSync | None = None,
 ) -> dict[str, Any]:
     """The ``"acco"`` entry of a state dict that fits this optimizer; ``ValueError`` naming
     the first mismatch otherwise."""
@@ -178,9 +178,8 @@ def check_state_dict(
         for key, length in (("master", sharded.plan.chunk), ("grad_accumulator", sharded.plan.padded_numel)):
             if not isinstance(values[key], Tensor) or values[key].shape != (length,):
                 raise ValueError(f"param group {number}: saved {key} is not a tensor of {length} elements")
-    saved_buffers = saved.get("buffers")
-    if saved_buffers is not None and buffer_names is not None and list(saved_buffers["names"]) != list(buffer_names):
-        raise ValueError(f"saved module buffers {saved_buffers['names']} differ from this module's {list(buffer_names)}")
+    if saved.get("buffers") is not None and buffer_sync is not None:
+        buffer_sync.check_state_dict(saved["buffers"])
     return saved
 
 

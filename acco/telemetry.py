@@ -49,7 +49,7 @@ class RoundStats:
         lane_start / lane_end: when the comm lane started and finished the round.
         phase_seconds: time spent in each lane phase (``totals``: the small all-reduce of
             weights and flags, ``reduce-scatter``, ``grad-norm`` with ``max_grad_norm``,
-            ``update``, ``all-gather``).
+            ``update``, ``all-gather``, ``buffers`` when module buffers are kept identical).
         phase_cpu_seconds: CPU time the lane's thread spent in each phase (host time only;
             on CPU the rest of a phase's time is waiting for the network).
         wait_seconds / wait_start / wait_end: how long (and when) the compute lane

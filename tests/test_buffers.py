@@ -163,3 +163,49 @@ def test_one_rank_runs_no_buffer_collective_and_trains_as_plain_torch():
         opt.finish()
         states.append(state_of(model))
     assert all(torch.equal(states[0][n], states[1][n]) for n in states[0])
+
+
+def replaced_buffer_rank() -> dict[str, torch.Tensor]:
+    """The model replaces a buffer's tensor mid-training (as EMA code that assigns does)."""
+    model = bn_model()
+    opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", buffers="average", lr=0.1, timeout=TIMEOUT)
+    train_rounds(model, opt, range(2))
+    model[1].running_mean = model[1].running_mean * 2.0 + dist.get_rank()  # a new tensor, rank-specific
+    train_rounds(model, opt, range(2, 4))
+    opt.finish()
+    return {"state": state_of(model)}
+
+
+def test_a_buffer_the_model_replaces_stays_synchronised(ranks):
+    assert_identical_across_ranks(ranks(2).run(replaced_buffer_rank), key="state")
+
+
+def bad_buffer_state_rank() -> str:
+    """A state dict whose module buffer has another shape is refused before anything changes."""
+    model = bn_model()
+    opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1, timeout=TIMEOUT)
+    train_rounds(model, opt, range(2))
+    state = opt.state_dict()
+    opt.finish()
+    state["acco"]["buffers"]["live"][0] = torch.zeros(7)
+    fresh = bn_model()
+    opt2 = AccoOptimizer(fresh, torch.optim.SGD, mode="dpu", lr=0.1, timeout=TIMEOUT)
+    before = state_of(fresh)
+    try:
+        opt2.load_state_dict(state)
+    except ValueError as error:
+        unchanged = all(torch.equal(before[k], v) for k, v in state_of(fresh).items())
+        fresh_still = opt2.num_updates == 0 and opt2.in_flight is None
+        opt2.close()
+        return f"{error} | unchanged={unchanged and fresh_still}"
+    return "loaded"
+
+
+def test_a_mismatched_buffer_in_a_state_dict_is_refused_before_any_change(ranks):
+    for message in ranks(2).run(bad_buffer_state_rank):
+        assert "saved module buffer '1.running_mean' does not match" in message and "unchanged=True" in message
+
+
+def test_module_and_params_naming_two_models_is_an_error():
+    with pytest.raises(ValueError, match="module= names another model"):
+        AccoOptimizer(bn_model(), torch.optim.SGD, module=bn_model(), lr=0.1)

@@ -104,3 +104,23 @@ def test_a_parameter_without_grad_in_a_whole_round_counts_as_zero() -> None:
     assert opt.step()
     assert torch.equal(model.sometimes.weight, before)
     assert not torch.equal(model.mix.weight, TiedModel().mix.weight)
+
+
+@pytest.mark.parametrize("mode", ["sync", "dpu", "acco"])
+def test_a_zero_size_parameter_is_carried_along(mode: str) -> None:
+    """An empty parameter (used or not) never blocks a round: its accumulator view holds no
+    memory, so it is told apart by identity, not by address."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0, 3)))
+    opt = AccoOptimizer(model, torch.optim.SGD, mode=mode, lr=0.1)
+    for r in range(4):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(r))
+        (model(x).sum() + (model.empty @ x.T).sum() * (r % 2)).backward()
+        opt.accumulate()
+        opt.step()
+    with opt.micro_batch(2.0):
+        model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.finish()
+    assert model.empty.shape == (0, 3) and torch.isfinite(model.weight).all()

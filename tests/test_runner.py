@@ -102,7 +102,13 @@ def launch(group: ShardedGroup, schedule: RoundSchedule, grads: Tensor, weights:
         schedule.count(weight)
     keep = schedule.next_kind is RoundKind.ESTIMATE
     hyperparams = [{"lr": 0.1, "momentum": 0.9, "dampening": 0, "weight_decay": 0, "nesterov": False}]
-    return schedule.launch([group.hand_over(keep)], hyperparams)
+    return hand_over(schedule, [group.hand_over(keep)], hyperparams)
+
+
+def hand_over(schedule: RoundSchedule, grads: list[Tensor], hyperparams: list[dict]) -> Any:
+    """The round the schedule launches, taken back from it: the test runs it itself."""
+    schedule.launch(grads, hyperparams, None, submit=lambda round_: None)
+    return schedule.take_in_flight()
 
 
 def reference_sgd(start: Tensor, averaged: Tensor) -> Tensor:
@@ -156,7 +162,7 @@ def test_an_estimate_round_leaves_the_master_shard_and_the_state_as_found():
     # The commit round divides the sum over both rounds by both rounds' weights (2 + 2).
     group.grad_accumulator.add_(mine)  # the estimate round's gradients stayed: add this round's
     schedule.count(1.0)
-    commit = schedule.launch([group.hand_over(False)], estimate.hyperparams)
+    commit = hand_over(schedule, [group.hand_over(False)], estimate.hyperparams)
     comm.peer_grads = 2 * peer
     stats = runner.run(commit)
     assert commit.kind is RoundKind.COMMIT and stats.update_weight == 4.0
