@@ -339,7 +339,7 @@ class AccoMethod(Method):
 
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
-                 diloco: str = "plain", schedule: Callable[[int], float] | None = None) -> Method:
+                 schedule: Callable[[int], float] | None = None) -> Method:
     """A fresh model (the same initial parameters every time) and ``name``'s optimizer.
 
     Args:
@@ -347,8 +347,7 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
         bucket_view: DDP's ``gradient_as_bucket_view`` (DDP methods only).
         acco_module: the ``acco`` package to take ``AccoOptimizer`` from (another
             checkout's, see :class:`Checkout`); default this checkout's.
-        diloco / schedule: DiLoCo's implementation (``plain`` or ``torchft``) and the inner
-            learning-rate factor per inner step (DiLoCo only).
+        schedule: DiLoCo's inner learning-rate factor per inner step (DiLoCo only).
 
     Raises:
         ValueError: an unknown name, or an odd number of micro-batches for acco's two rounds.
@@ -363,10 +362,9 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
     if spec.family == "ddp":
         return DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
     if spec.family == "diloco":
-        from diloco import DiLoCoMethod, TorchftDiLoCoMethod
+        from diloco import TorchftDiLoCoMethod
 
-        cls = TorchftDiLoCoMethod if diloco == "torchft" else DiLoCoMethod
-        return cls(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
+        return TorchftDiLoCoMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
 
 

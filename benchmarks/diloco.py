@@ -1,17 +1,8 @@
-"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105) for the benchmarks: the method a user
-with a slow network would otherwise pick. Two implementations behind one
-:class:`common.Method` interface:
-
-- :class:`DiLoCoMethod`, the published algorithm written here: every rank runs the inner
-  AdamW alone for H (``sync_every``) steps, then the ranks all-reduce the difference from
-  the last synchronised parameters (the outer gradient) and apply SGD with Nesterov
-  momentum (0.9, lr 0.7) to those; one blocking all-reduce of the whole model per H steps.
-- :class:`TorchftDiLoCoMethod`: ``torchft.local_sgd.DiLoCo`` driven the same way, each rank
-  a replica group of one, rank 0 running torchft's lighthouse.
-
-An inner step covers ``micro_batches_per_update`` micro-batches, like every other method's
-update. ``end_round()`` returns True only when the ranks have just synchronised, the only
-time they all hold one model; ``finish()`` puts the last synchronised parameters back.
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105) for the benchmarks, through torchft's
+``torchft.local_sgd.DiLoCo``: each rank a replica group of one, rank 0 running torchft's
+lighthouse. An inner step covers ``micro_batches_per_update`` micro-batches, like every
+other method's update; ``end_round()`` is True only when the ranks have just synchronised,
+the only time they all hold one model, and ``finish()`` puts that model back.
 """
 
 from __future__ import annotations
@@ -28,10 +19,11 @@ from torch import nn
 
 from examples.train_gpt import param_groups
 
-__all__ = ["DiLoCoMethod", "TorchftDiLoCoMethod", "torchft_version"]
+__all__ = ["TorchftDiLoCoMethod", "torchft_version"]
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
+INSTALL = "pip install -e '.[bench]'"
 
 
 def _quiet_torchft() -> None:
@@ -55,97 +47,30 @@ def torchft_version() -> str | None:
         return "unknown"
 
 
-class _InnerLoop(Method):
-    """What both implementations share: the inner AdamW over an update's micro-batches, a
-    warm-up schedule per inner step, gradient clipping as in the other methods, and the
-    last synchronised parameters, which ``finish()`` puts back into the model."""
-
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
-                 schedule: Callable[[int], float]) -> None:
-        super().__init__(name, config, micro_batches_per_update, model)
-        self.sync_every = int(name.removeprefix("diloco-h"))
-        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
-        # The inner lr follows the same warm-up as every other method's updates, per inner step.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
-        self.inner_steps = 0
-        self.outer_steps = 0
-        self._params = [p for p in model.parameters() if p.requires_grad]
-
-    def _inner_step(self) -> None:
-        if self.config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
-        self.inner.step()
-        self.inner.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.inner_steps += 1
-
-    def finish(self) -> bool:
-        with torch.no_grad():
-            for s, p in zip(self.synced, self._params):
-                p.copy_(s)
-        return False
-
-    def committed_updates(self, counted: int) -> int:
-        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
-
-    def committed_micro_batches(self, counted: int) -> float:
-        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
-
-
-class DiLoCoMethod(_InnerLoop):
-    """A plain implementation of DiLoCo (see the module docstring), on the default group."""
-
-    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
-                 schedule: Callable[[int], float]) -> None:
-        super().__init__(name, config, micro_batches_per_update, model, schedule)
-        # Every rank built the same model from the same seed; rank 0's is broadcast anyway,
-        # as DDP and acco do, so the runs start from one model whatever happened before.
-        flat = torch.cat([p.detach().reshape(-1) for p in self._params])
-        if dist.is_initialized():
-            dist.broadcast(flat, src=0)
-        with torch.no_grad():
-            offset = 0
-            for p in self._params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-        # The synchronised parameters (fp32) and their outer optimizer.
-        self.synced = [p.detach().clone() for p in self._params]
-        self.outer = torch.optim.SGD(self.synced, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-
-    def end_round(self) -> bool:
-        self._inner_step()
-        if self.inner_steps % self.sync_every:
-            return False
-        # One all-reduce of the whole outer gradient (synchronised minus local), flattened.
-        delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(self.synced, self._params)])
-        if dist.is_initialized():
-            dist.all_reduce(delta)
-            delta /= dist.get_world_size()
-        offset = 0
-        for s in self.synced:
-            s.grad = delta[offset : offset + s.numel()].view_as(s)
-            offset += s.numel()
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        self.finish()  # every rank loads the new synchronised parameters
-        self.outer_steps += 1
-        return True
-
-
-class TorchftDiLoCoMethod(_InnerLoop):
-    """``torchft.local_sgd.DiLoCo``, each rank its own replica group (see the module docstring).
+class TorchftDiLoCoMethod(Method):
+    """The inner AdamW over an update's micro-batches (the same warm-up per inner step and
+    clipping as the other methods), synchronised by torchft every H (``diloco-hH``) steps.
 
     Collective: every rank of the default group constructs it and calls ``close()``.
+
+    Raises:
+        ImportError: torchft is not installed.
     """
 
     def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
-        _quiet_torchft()
+        if torchft_version() is None:
+            raise ImportError(f"{name}: DiLoCo runs through torchft, which does not import here ({INSTALL})")
         from torchft import Manager, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
-        super().__init__(name, config, micro_batches_per_update, model, schedule)
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.sync_every = int(name.removeprefix("diloco-h"))
+        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
+        self.inner_steps = self.outer_steps = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
         rank, world = dist.get_rank(), dist.get_world_size()
         # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
         # others through the default group's store-backed broadcast.
@@ -172,7 +97,12 @@ class TorchftDiLoCoMethod(_InnerLoop):
 
     def end_round(self) -> bool:
         before = self.manager.current_step()  # counts committed synchronisations
-        self._inner_step()  # torchft synchronises in the inner optimizer's post-step hook
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
+        self.inner.step()  # torchft synchronises in the inner optimizer's post-step hook
+        self.inner.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.inner_steps += 1
         if self.manager.current_step() == before:
             return False
         self.outer_steps += 1
@@ -180,6 +110,18 @@ class TorchftDiLoCoMethod(_InnerLoop):
             for s, p in zip(self.synced, self._params):
                 s.copy_(p)
         return True
+
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def committed_updates(self, counted: int) -> int:
+        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
+
+    def committed_micro_batches(self, counted: int) -> float:
+        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
 
     def close(self) -> None:
         """Leave torchft (collective: the lighthouse goes once every rank is done)."""

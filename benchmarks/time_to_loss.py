@@ -6,21 +6,9 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
 
-DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``) when it
-imports, otherwise through the plain implementation in ``diloco.py`` (``--diloco`` chooses).
-
-How it measures (in full: benchmarks/README.md, "Time to loss"). Every method trains the
-same initial model on the same micro-batch stream per rank with AdamW at ``--lr``, linear
-warm-up then constant (a schedule tied to a number of updates would differ between methods
-that make different numbers of updates in the same time), until its clock reaches
-``--budget``; acco's ``finish()`` then drains on the clock. Evaluation is off the clock and
-off the network: the committed parameters are copied at the first committed boundary after
-each ``--eval-every`` seconds and evaluated after the budget (evaluating with the clock
-paused would let acco's comm lane communicate for free). The target is DDP + ZeRO-1's
-final held-out loss per seed; a method's time to it is the first time its curve reaches it
-(linear between evaluations), as a fraction of the budget.
+DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: the clock,
+the off-clock evaluation and the target are in benchmarks/README.md, "Time to loss".
 """
-
 from __future__ import annotations
 
 import argparse
@@ -35,7 +23,7 @@ from typing import Any
 
 import throughput
 import common
-from diloco import torchft_version
+from diloco import INSTALL, torchft_version
 from examples.train_gpt import Dist, eval_batches, evaluate
 
 import torch
@@ -69,8 +57,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--grad-clip", type=float, default=1.0, help="0: off")
     common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
     add("--ranks", type=int, default=2)
-    add("--diloco", choices=["auto", "torchft", "plain"], default="auto",
-        help="DiLoCo implementation (auto: torchft if it imports, else plain)")
     add("--max-quiet-wait", type=float, default=900.0,
         help="seconds to wait, before each method, for other processes to leave the CPU")
     add("--seed", type=int, default=None, help=argparse.SUPPRESS)  # set by the driver for its rank launches
@@ -83,14 +69,12 @@ def quick(args: argparse.Namespace) -> None:
 
 def check(args: argparse.Namespace) -> str | None:
     args.eval_every = args.eval_every or args.budget / 8
-    if args.diloco == "auto":
-        args.diloco = "torchft" if torchft_version() is not None else "plain"
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
     if args.rates is not None and len(args.rates) > len(RATE_LABELS):
         return f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})"
-    if args.diloco == "torchft" and torchft_version() is None:
-        return "--diloco torchft: torchft does not import here (python -m pip install torchft torch==2.13.0)"
+    if any(common.method_spec(m).family == "diloco" for m in args.methods) and torchft_version() is None:
+        return f"DiLoCo runs through torchft, which does not import here: {INSTALL} (or leave the diloco methods out)"
     return None
 
 
@@ -161,8 +145,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     rank, world = dist.get_rank(), dist.get_world_size()
     setup_started = time.perf_counter()
     try:
-        method = common.build_method(name, config, args.micro_batches, diloco=args.diloco,
-                                     schedule=warmup_constant(args.warmup))
+        method = common.build_method(name, config, args.micro_batches, schedule=warmup_constant(args.warmup))
     except common.UnsupportedMethod as error:
         return {"method": name, "skipped": str(error)}
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
@@ -232,9 +215,8 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     if lo_bytes is not None and updates:
         result["lo_bytes_per_update"] = lo_bytes / updates
     if method.spec.family == "diloco":
-        implementation = f"torchft {torchft_version()}" if args.diloco == "torchft" else "plain (diloco.py)"
         result.update(sync_every=method.sync_every, outer_steps=method.outer_steps, inner_steps=method.inner_steps,
-                      implementation=implementation)
+                      implementation=f"torchft {torchft_version()}")
         if lo_bytes is not None and method.outer_steps:
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.round_stats():
@@ -276,7 +258,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
-                   "diloco": {"implementation": args.diloco, "torchft": torchft_version(),
+                   "diloco": {"implementation": "torchft", "torchft": torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
                    "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
@@ -437,14 +419,11 @@ def table(data: dict[str, Any]) -> str:
 
 def section(data: dict[str, Any]) -> str:
     cfg, s = data["config"], data.get("summary") or summary(data)
-    diloco = cfg["diloco"]
-    implementation = (f"torchft {diloco['torchft']}'s `DiLoCo`" if diloco["implementation"] == "torchft"
-                      else "a plain implementation of DiLoCo (Douillard et al. 2023), not torchft")
     intro = (f"{cfg['ranks']} ranks, {common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} "
              f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
              f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per "
              f"method**, held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of "
-             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: {implementation}. "
+             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: torchft {cfg['diloco']['torchft']}'s `DiLoCo`. "
              f"Cells with a range: median (min-max) over the seeds.")
     calibration = data.get("calibration", {})
     if calibration.get("targets"):
