@@ -1,13 +1,7 @@
-"""What every benchmark shares: one method registry, one round loop, one entry point.
-
-The model, the corpus and the loss come from ``examples/train_gpt.py`` (imported, not
-copied). Every method in :data:`METHODS` is built by :func:`build_method` and trained by
-:func:`train_round`, one round at a time (micro-batches, then the round boundary), so the
-only thing that differs between two methods in a benchmark is the optimizer and its
-communication. Every benchmark module declares a :class:`Benchmark` and runs :func:`main`:
-the driver launches ranks (under plain ``torchrun`` or behind the rate-limited namespace of
-``netns.py``) and the same file, started by ``torchrun``, is the rank entry point. Each
-module owns the tables and plots of its results; ``report.py`` only puts them together.
+"""What every benchmark shares: one method registry (:data:`METHODS`, :func:`build_method`),
+one round loop (:func:`train_round`) and one entry point (:class:`Benchmark`, :func:`main`),
+so that two methods differ only in the optimizer and its communication. The model, corpus
+and loss are ``examples/train_gpt.py``'s (imported, not copied).
 """
 
 from __future__ import annotations
@@ -61,10 +55,9 @@ from examples.train_gpt import (  # noqa: E402
 __all__ = [
     "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
     "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
-    "build_model", "describe", "even", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
-    "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
-    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "wait_for_quiet",
-    "warm_up", "write_json",
+    "build_model", "describe", "even", "label", "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name",
+    "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rank_batches", "rate_text",
+    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "warm_up", "write_json",
 ]
 
 
@@ -456,6 +449,11 @@ def batches(data: Tensor, config: ModelConfig, seed: int) -> Callable[[], tuple[
     return lambda: sample_batch(data, config.batch_size, config.seq_len, generator)
 
 
+def rank_batches(config: ModelConfig, rank: int) -> Callable[[], tuple[Tensor, Tensor]]:
+    """This rank's micro-batch stream of the training text, the same in every method."""
+    return batches(training_text(config.seq_len)[0], config, config.seed + 1000 * rank)
+
+
 def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]) -> None:
     """A few backwards before the first method, so that it does not pay for the allocator's
     and the kernels' first use."""
@@ -488,11 +486,6 @@ def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-            "python": platform.python_version()}
 
 
 # ------------------------------------------------------------------ other load on the host
@@ -677,32 +670,29 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
         report.main([])
 
 
-def launch(nproc: int, script_and_args: Sequence[str], rate: str | None = None, netns: bool = True) -> None:
-    """Run a rank entry point on ``nproc`` local ranks: inside a namespace whose loopback
-    is limited to ``rate`` (``netns``), or under plain ``torchrun --standalone``."""
-    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
-    if netns:
-        from netns import run_ranks as run_in_namespace
-
-        code = run_in_namespace(nproc, script_and_args, rate, env=env)
-    else:
-        if rate is not None:
-            raise ValueError("a rate limit needs the network namespace")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   *script_and_args]
-        code = subprocess.run(command, env={**os.environ, **env}).returncode
-    if code:
-        raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
-
-
 def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | None = None,
               netns: bool = False) -> Any:
-    """Launch the benchmark's own file on ``nproc`` ranks with the driver's arguments plus
-    ``extra`` (later options win); rank 0's JSON."""
+    """Launch the benchmark's own file on ``nproc`` local ranks with the driver's arguments
+    plus ``extra`` (later options win), in a namespace whose loopback is limited to ``rate``
+    (``netns``) or under plain ``torchrun --standalone``; rank 0's JSON, with the launch's
+    ``runtime_s``."""
+    if rate is not None and not netns:
+        raise ValueError("a rate limit needs the network namespace")
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
-        launch(nproc, [str(args.script), *args.argv, *extra, "--out", str(out)], rate, netns)
-        return read_json(out)
+        script_and_args = [str(args.script), *args.argv, *extra, "--out", str(out)]
+        if netns:
+            from netns import run_ranks as run_in_namespace
+
+            code = run_in_namespace(nproc, script_and_args, rate, env=env)
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+            code = subprocess.run([*command, *script_and_args], env={**os.environ, **env}).returncode
+        if code:
+            raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
+        return {**read_json(out), "runtime_s": time.perf_counter() - started}
 
 
 # ----------------------------------------------------------------------- files, tables, plots
@@ -710,7 +700,9 @@ def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | Non
 
 def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The driver's results, with the benchmark's name and the machine, to ``args.out``."""
-    write_json(args.out, {"benchmark": args.benchmark, "machine": machine(), **results})
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+               "python": platform.python_version()}
+    write_json(args.out, {"benchmark": args.benchmark, "machine": machine, **results})
 
 
 def write_json(path: Path, data: Any) -> None:

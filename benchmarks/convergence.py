@@ -32,7 +32,7 @@ from torch import Tensor
 
 from acco import RoundKind
 
-__all__ = ["BENCHMARK", "UpdateDifference", "blocks", "runtimes", "targets"]
+__all__ = ["BENCHMARK", "UpdateDifference", "blocks", "targets"]
 
 METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1", "acco-bf16", "acco-fp8")
 
@@ -248,9 +248,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in args.methods:
         print(f"convergence: {name}", flush=True)
-        started = time.perf_counter()
         run = results["methods"][name] = common.run_ranks(args, args.ranks, "--method", name)
-        run["runtime_s"] = time.perf_counter() - started
         diff = run.get("update_difference", {}).get("mean")
         print(f"  final eval loss {run['final_eval_loss']:.4f} ({run['runtime_s']:.0f} s)"
               + (f", update difference {diff:.3f}" if diff is not None else ""), flush=True)
@@ -349,10 +347,6 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         rows.append(("(for reference) normalised update difference to sync, acco / dpu (paper: 0.07-0.11 for acco)",
                      " / ".join(f"{d:.3f}" for d in diffs if d is not None), None))
     return rows
-
-
-def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    return [("convergence", results["convergence"]["runtime_s"])] if "convergence" in results else []
 
 
 BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["BENCHMARK", "account", "blocks", "runtimes", "targets"]
+__all__ = ["BENCHMARK", "account", "blocks", "targets"]
 
 METHODS = ("ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -110,8 +110,7 @@ def base_optimizers(method: common.Method) -> list[torch.optim.Optimizer]:
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = MEMORY_MODEL
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     gc.collect()
     rss_before_model = proc_status_bytes("VmRSS")
     result = measure(common.build_method(args.method, config, args.micro_batches, dtype=DTYPES[args.dtype],
@@ -301,10 +300,6 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
                          f"{most:,} elements per moment, ceil(P/N) = {ceil:,} (padding {most - ceil:+,})",
                          0 <= most - ceil < 2 * run["ranks"]))
     return rows
-
-
-def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    return [("memory", results["memory"]["runtime_s"])] if "memory" in results else []
 
 
 BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick)

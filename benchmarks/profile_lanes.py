@@ -95,8 +95,7 @@ def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = common.ModelConfig()
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     common.warm_up(config, next_batch)
     results = {}
     for name in args.methods:

@@ -71,7 +71,9 @@ def generate(results_dir: Path) -> dict[str, str]:
             continue
         blocks.update(module.blocks(results, results_dir))
         target_rows += getattr(module, "targets", lambda r: [])(results)
-        runtime_rows += getattr(module, "runtimes", lambda r: [])(results)
+        # by default, the main results file's runtime
+        default = [(stem, results[stem]["runtime_s"])] if "runtime_s" in results.get(stem, {}) else []
+        runtime_rows += module.runtimes(results) if hasattr(module, "runtimes") else default
     if target_rows:
         blocks["targets"] = targets_table(target_rows)
     if runtime_rows:

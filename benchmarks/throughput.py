@@ -198,8 +198,7 @@ def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = common.model_config(args)
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     if args.calibrate:
         return calibrate(args, config, next_batch)
     common.warm_up(config, next_batch)
@@ -313,9 +312,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.rates:
             rate = None if name == "unlimited" else calibration["targets"][name]["rate"]
             print(f"throughput: {ranks} ranks, {name} ({rate or 'no limit'})", flush=True)
-            run_started = time.perf_counter()
             run = common.run_ranks(args, ranks, "--label", f"{ranks} ranks {name}", rate=rate, netns=True)
-            run.update(label=name, rate=rate or "unlimited", runtime_s=time.perf_counter() - run_started)
+            run.update(label=name, rate=rate or "unlimited")
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
             common.save(args, results)  # after every run, so a long sweep keeps what it has

@@ -278,10 +278,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for name, rate in results["rates"].items():
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
-            run_started = time.perf_counter()
             run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
                                    rate=rate, netns=True)
-            run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
+            run.update(label=name, rate=rate)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
             common.save(args, results)  # after every launch, so a long sweep keeps what it has
