@@ -41,15 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import acco  # noqa: E402
 from examples.train_gpt import (  # noqa: E402
-    GPT,
-    Dist,
-    GPTConfig,
-    load_corpus,
-    loss_fn,
-    param_groups,
-    sample_batch,
-    setup_distributed,
-    split_corpus,
+    GPT, Dist, GPTConfig, load_corpus, loss_fn, param_groups, sample_batch, setup_distributed, split_corpus,
 )
 
 __all__ = [
@@ -189,14 +181,9 @@ class UnsupportedMethod(RuntimeError):
 
 
 class Method:
-    """One way of training, driven round by round by :func:`train_round`.
-
-    ``backward()`` computes one micro-batch's gradients, ``fold()`` hands them to the
-    optimizer, ``end_round()`` is the round boundary (True when the model now holds newly
-    committed parameters) and ``ready()`` says whether it would return without waiting for
-    the network. One optimizer update is ``rounds_per_update`` rounds of
-    ``micro_batches_per_round``.
-    """
+    """One way of training, driven round by round by :func:`train_round`: ``backward()`` then
+    ``fold()`` per micro-batch, ``end_round()`` at the boundary (True: newly committed
+    parameters); ``ready()``: the boundary would not wait for the network."""
 
     opt: Any = None
     rounds_per_update: int = 1
@@ -333,14 +320,9 @@ class AccoMethod(Method):
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
                  schedule: Callable[[int], float] | None = None) -> Method:
-    """A fresh model (the same initial parameters every time) and ``name``'s optimizer.
-
-    Args:
-        dtype / device: the parameters' dtype (default fp32) and device (default CPU).
-        bucket_view: DDP's ``gradient_as_bucket_view`` (DDP methods only).
-        acco_module: the ``acco`` package to take ``AccoOptimizer`` from (another
-            checkout's, see :class:`Checkout`); default this checkout's.
-        schedule: DiLoCo's inner learning-rate factor per inner step (DiLoCo only).
+    """A fresh model (the same initial parameters every time) and ``name``'s optimizer;
+    ``bucket_view``: DDP's ``gradient_as_bucket_view``; ``acco_module``: another checkout's
+    ``acco`` (:class:`Checkout`); ``schedule``: DiLoCo's inner lr factor per inner step.
 
     Raises:
         ValueError: an unknown name, or an odd number of micro-batches for acco's two rounds.
@@ -382,13 +364,9 @@ class RoundRecord:
 def train_round(method: Method, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
                 after_backward: Callable[[int], None] | None = None,
                 before_boundary: Callable[[RoundRecord], None] | None = None) -> RoundRecord:
-    """One round of ``method``: its micro-batches, then the round boundary.
-
-    A method with the ``ready()`` loop keeps computing micro-batches while the round in
-    flight has not landed (the README's loop, which ends on the same round on every rank).
-    ``after_backward(i)`` runs between micro-batch ``i``'s backward and its fold;
-    ``before_boundary`` right before ``end_round()``.
-    """
+    """One round of ``method``: its micro-batches (with the ``ready()`` loop, more while the
+    round in flight has not landed), then the boundary. ``after_backward(i)`` runs between
+    micro-batch ``i``'s backward and its fold, ``before_boundary`` before ``end_round()``."""
     record = RoundRecord()
     started = time.perf_counter()
     while len(record.losses) < method.micro_batches_per_round or (method.spec.ready_loop and not method.ready()):
@@ -420,19 +398,17 @@ def phases(seconds: dict[str, Any]) -> dict[str, Any]:
     return {PHASE_RENAMES.get(name, name): value for name, value in seconds.items()}
 
 
-def lane_summary(stats: Sequence[Any], average: Callable[[Any], float] = statistics.fmean) -> dict[str, Any]:
+def lane_summary(stats: Sequence[Any]) -> dict[str, Any]:
     """What the comm lane did in these rounds (acco's ``RoundStats``), averaged."""
     if not stats:
         return {}
-    names = dict.fromkeys(p for s in stats for p in s.phase_seconds)
+    names, mean = dict.fromkeys(p for s in stats for p in s.phase_seconds), statistics.fmean
     return {
-        "rounds": len(stats),
-        "lane_s": average([s.lane_seconds for s in stats]),
-        "wait_s": average([s.wait_seconds for s in stats]),
-        "hidden_share": average([s.hidden_share for s in stats]),
-        "phase_s": {p: average([s.phase_seconds.get(p, 0.0) for s in stats]) for p in names},
+        "rounds": len(stats), "lane_s": mean(s.lane_seconds for s in stats),
+        "wait_s": mean(s.wait_seconds for s in stats), "hidden_share": mean(s.hidden_share for s in stats),
+        "phase_s": {p: mean(s.phase_seconds.get(p, 0.0) for s in stats) for p in names},
         # CPU time of the lane's thread (checkouts from before RoundStats.phase_cpu_seconds: none)
-        "phase_cpu_s": {p: average([getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats]) for p in names},
+        "phase_cpu_s": {p: mean(getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats) for p in names},
     }
 
 

@@ -5,11 +5,8 @@ the synchronous update taken from the same parameters and data (:class:`UpdateDi
     python benchmarks/convergence.py                 # 2 ranks, plain torchrun (no root needed)
     python benchmarks/convergence.py --quick         # 20 updates: a smoke run, into results/scratch/
 
-Every method sees exactly the same micro-batches (each rank its own stream, the same in
-every method), the example's recipe (AdamW, clipping, linear warm-up then cosine, stepped
-once per committed update) and the same number of updates and micro-batches per update,
-so the curves compare equal samples; the final eval loss is taken on the committed
-parameters.
+Every method sees the same micro-batches, recipe and updates: equal samples
+(benchmarks/README.md, "Convergence").
 """
 
 from __future__ import annotations
@@ -68,15 +65,10 @@ def model_config(args: argparse.Namespace) -> common.ModelConfig:
 
 
 class UpdateDifference:
-    """How far acco's (or dpu's) updates are from the synchronous update from the same place.
-
-    Every ``every`` updates it waits for the comm lane to be idle and keeps this rank's
-    master shard and AdamW state (theta, S) from just before an update starts, and the
-    micro-batches that update uses. Once the update has landed (``u``: the new shard minus
-    theta) it replays the synchronous update: the same micro-batches' gradients all taken at
-    theta, averaged over ranks, clipped, one AdamW step from S (``u_sync``), and records
-    ``||u - u_sync|| / (||u|| + ||u_sync||)`` over all shards. Waiting for the lane changes
-    the timing, not the arithmetic; in ``sync`` mode it is a control.
+    """``||u - u_sync|| / (||u|| + ||u_sync||)`` every ``every`` updates: acco's (or dpu's)
+    update against the synchronous one replayed from the same shard, AdamW state and
+    micro-batches (benchmarks/README.md, "The update difference"). Waiting for the lane
+    changes the timing, not the arithmetic; in ``sync`` mode it is a control.
     """
 
     def __init__(self, method: common.AccoMethod, every: int, total: int) -> None:

@@ -4,20 +4,9 @@
     python benchmarks/gpu_overlap.py --world-sizes 1 --rounds 10
     python benchmarks/gpu_overlap.py --quick --device cpu   # a smoke run of the code path, no GPU needed
 
-Every world size runs under torchrun with gloo (world size 2: two ranks on the same GPU,
-CUDA tensors staged through pinned host memory, the way ranks talk over plain TCP). For
-sync, dpu and acco (fixed loop) and acco's ``ready()`` loop, on the example's GPT (6
-layers, width 512) with AdamW and clipping at 1.0:
-
-- ``step()``'s wall time on the training thread while a round is in flight (median, max);
-- the hidden share in GPU time (``RoundStats.hidden_share`` from the lane's CUDA events);
-- samples/s against the same loop with no optimizer at all (forward and backward only);
-- ``torch.cuda.max_memory_allocated()`` per rank.
-
-Then a few acco rounds under ``torch.profiler`` (rank 0): a chrome trace in
-``results/gpu_overlap-trace-ws{N}.json.gz`` (open it in Perfetto) and, from it, each
-stream's kernel time and how much of the other streams' work ran while the compute stream
-was busy. Results: ``results/gpu_overlap.json``.
+Every world size runs under torchrun with gloo (world size 2: two ranks on the same GPU).
+What it measures, and the chrome trace in ``results/gpu_overlap-trace-ws{N}.json.gz``:
+benchmarks/README.md, "The CUDA lane on one GPU".
 """
 
 from __future__ import annotations

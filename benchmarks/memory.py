@@ -4,13 +4,9 @@ tensor bytes by kind (at rest and at the end of a backward) and as peak resident
     python benchmarks/memory.py            # 2 and 4 ranks, fp32 and bf16, plain torchrun
     python benchmarks/memory.py --quick    # 2 ranks, fp32: a smoke run, into results/scratch/
 
-Each method trains in fresh processes: ``--warmup`` updates (so every lazily allocated
-buffer exists), then ``--updates`` measured updates. Tensors are counted by :func:`account`;
-the peak resident memory is ``VmHWM`` over the measured updates minus what was resident
-before the model was built, minus the parameters, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
-that a freed tensor leaves the resident set at once (benchmarks/README.md, "Memory"). The
-model is the example's GPT at about 25M parameters with short micro-batches, so that the
-buffers, not the activations, dominate.
+Each method trains in fresh processes: ``--warmup`` updates (every lazily allocated buffer
+exists), then ``--updates`` measured ones. How tensors and resident memory are counted:
+benchmarks/README.md, "Memory".
 """
 
 from __future__ import annotations

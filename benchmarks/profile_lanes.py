@@ -5,12 +5,9 @@
     sudo $(which python) benchmarks/profile_lanes.py --trace acco     # + a torch.profiler trace in results/
     sudo $(which python) benchmarks/profile_lanes.py --quick          # unlimited only, 4 rounds, results/scratch/
 
-For every method, a few rounds in throughput.py's timed window, and rank 0's view of them:
-the CPU time and run-queue wait of each kind of thread (``throughput.thread_times``), and
-per phase of acco's comm lane its wall time next to the lane thread's CPU time
-(``RoundStats.phase_seconds`` and ``phase_cpu_seconds``: a phase that waits on the network
-costs wall time, not CPU). Then, alone on one thread, the CPU cost of each piece of work a
-round adds.
+For every method, a few rounds in throughput.py's timed window, seen by rank 0 (threads'
+CPU time and run-queue waits, the lane's phases' wall and CPU time); then, alone on one
+thread, the CPU cost of each piece of work a round adds.
 """
 
 from __future__ import annotations

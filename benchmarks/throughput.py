@@ -6,18 +6,9 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
     sudo $(which python) benchmarks/throughput.py --quick --rates unlimited --baseline /tmp/acco-352a168
     torchrun --nnodes=2 --nproc-per-node=1 ... benchmarks/throughput.py --out throughput-cluster.json
 
-After ``--warmup-updates`` the clock runs, between two barriers, from one round boundary to
-the one ``--updates`` later (steady state: a pipeline's fill and drain happen once per
-training run). Methods run one after another in one process group, in a rotated order,
-``--repeats`` times; tables give medians of samples/s and of the ratios taken within a
-repeat. ``comm~compute`` is the tbf rate at which one acco round of communication, measured
-alone, takes as long as one acco round of compute; ``comm~3x`` three times as long; the
-driver finds both by measuring (benchmarks/README.md, "Throughput").
-
-``--baseline PATH`` runs every method twice per repeat, with this checkout's acco and with
-PATH's (another checkout, e.g. a ``git worktree`` of an older commit), interleaved, and
-prints both medians and their ratio per method. The methods without acco run the same code
-twice: their ratios show the noise.
+The timed window, the rotated repeats, the calibrated rates (``comm~compute``: one acco
+round of communication alone takes as long as one of compute; ``comm~3x``: three times) and
+the ``--baseline`` A/B: benchmarks/README.md, "Throughput" and "Is the speed unchanged?".
 """
 
 from __future__ import annotations
@@ -87,13 +78,9 @@ def check(args: argparse.Namespace) -> str | None:
 
 def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, rounds: int,
                trace: Path | None = None) -> dict[str, Any]:
-    """Warm-up, then ``rounds`` rounds in a window that opens and closes with a barrier at two
-    round boundaries (steady state: a pipeline's fill and drain happen once per training run).
-
-    Every rank's figures (samples/s over the slowest window), and rank 0's view of where the
-    time went, per round (profile_lanes.py's table): its micro-batches' and boundaries' wall
-    and CPU time, its threads' CPU time and run-queue waits; ``trace``: a torch.profiler trace.
-    """
+    """Warm-up, then ``rounds`` rounds in a window between barriers at two round boundaries:
+    samples/s over the slowest rank's window, and rank 0's view of where the time went per
+    round (profile_lanes.py's table); ``trace``: a torch.profiler trace."""
     window = common.Window()
     for _ in range(warmup_rounds):
         common.train_round(method, next_batch)
@@ -138,12 +125,9 @@ def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, round
 
 
 def thread_times() -> dict[str, tuple[float, float]]:
-    """This process's threads by kind (the compute lane, acco's comm lane, gloo's I/O threads,
-    others): CPU seconds and seconds spent runnable but waiting for a core (the scheduler's
-    run-queue delay, ``/proc/self/task/*/schedstat``). On a CPU, whether communication hides
-    behind compute comes down to whether a core is free for it: when the ranks' compute
-    threads fill every core, each CPU-second the comm lane (or the kernel's loopback TCP,
-    accounted to the sending and receiving threads) spends is one the compute lane waits."""
+    """This process's threads by kind: CPU seconds, and seconds runnable but waiting for a core
+    (``/proc/self/task/*/schedstat``). On a CPU with no free core, each CPU-second the comm
+    lane (or the loopback TCP it causes) spends is one the compute lane waits."""
     lane = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
     out: dict[str, tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):

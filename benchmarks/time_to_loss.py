@@ -92,12 +92,9 @@ def warmup_constant(warmup: int) -> Callable[[int], float]:
 
 class AgreedClock:
     """Training seconds since it was made, pauses left out; and the ranks' clocks, agreed one
-    round late without blocking.
+    round late by a non-blocking all-reduce on the default group, so every rank takes the
+    same decisions at the same boundary and none waits on the busy link.
 
-    At every round boundary each rank starts a non-blocking all-reduce (MAX) of its clock on
-    the default group, never on acco's lane, and reads the one it started at the previous
-    boundary: every rank reads the same agreed clocks, so every rank takes the same decisions
-    at the same boundary, and none waits on that all-reduce while the link is busy.
     Collective: every rank calls ``exchange()`` at every round boundary and ``close()`` once.
     """
 
