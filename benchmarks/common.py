@@ -586,7 +586,7 @@ class Benchmark:
         sweep: the driver: launches ranks with :func:`run_ranks`, returns the results
             (it may :func:`save` them as it goes, so a long sweep keeps what it has);
             default: one launch of ``args.ranks`` ranks under plain ``torchrun``.
-        quick: what ``--quick`` (a smoke run of a few minutes) changes in the arguments.
+        quick: the arguments ``--quick`` (a smoke run of a few minutes) sets, by destination.
         check: returns what is wrong with the parsed arguments, or None.
     """
 
@@ -595,7 +595,7 @@ class Benchmark:
     arguments: Callable[[argparse.ArgumentParser], None]
     rank: Callable[[argparse.Namespace, Dist], dict[str, Any]]
     sweep: Callable[[argparse.Namespace], dict[str, Any]] | None = None
-    quick: Callable[[argparse.Namespace], None] = lambda args: None
+    quick: dict[str, Any] = field(default_factory=dict)
     check: Callable[[argparse.Namespace], str | None] = lambda args: None
     stem: str = ""
 
@@ -613,8 +613,7 @@ class Benchmark:
         args.script = Path(sys.modules[self.rank.__module__].__file__).resolve()
         args.benchmark = self.name
         if args.quick:
-            self.quick(args)
-            args.no_report = True
+            vars(args).update(self.quick, no_report=True)
         args.stem = (self.stem or self.name).format(**vars(args))
         if args.out is None and "RANK" not in os.environ:
             args.out = (SCRATCH_DIR if args.quick else RESULTS_DIR) / f"{args.stem}.json"

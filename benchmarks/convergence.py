@@ -32,6 +32,7 @@ from acco import RoundKind
 __all__ = ["BENCHMARK", "UpdateDifference", "blocks", "targets"]
 
 METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1", "acco-bf16", "acco-fp8")
+QUICK = {"updates": 20, "warmup": 4, "eval_every": 10, "eval_batches": 4, "diff_every": 5}
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +52,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--eval-batches", type=int, default=32)
     add("--diff-every", type=int, default=10, help="measure the update difference every this many updates (0: off)")
     add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # a rank launch trains this one
-
-
-def quick(args: argparse.Namespace) -> None:
-    args.updates, args.warmup, args.eval_every, args.eval_batches, args.diff_every = 20, 4, 10, 4, 5
 
 
 def model_config(args: argparse.Namespace) -> common.ModelConfig:
@@ -341,7 +338,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick)
+BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick=QUICK)
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

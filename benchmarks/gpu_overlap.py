@@ -45,10 +45,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the same code path")
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.world_sizes, args.rounds, args.micro_batches = [1], 3, 2
-
-
 def check(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         return "no CUDA GPU here (--device cpu runs the same code path on the CPU)"
@@ -198,7 +194,8 @@ def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
     return {"gpu": section(results["gpu_overlap"])} if "gpu_overlap" in results else {}
 
 
-BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, check=check,
+                             quick={"world_sizes": [1], "rounds": 3, "micro_batches": 2})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

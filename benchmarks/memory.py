@@ -53,10 +53,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="fp32", choices=list(DTYPES), help=argparse.SUPPRESS)
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.ranks, args.dtypes = [2], ["fp32"]
-
-
 def proc_status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
@@ -298,7 +294,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick)
+BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick={"ranks": [2], "dtypes": ["fp32"]})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

@@ -43,10 +43,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", default=None, choices=PROFILE_METHODS, help="also write a torch.profiler trace of this method")
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.rate, args.rounds = args.rate or ["unlimited"], 4
-
-
 def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
     """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
     alone (this rank only, the others wait): what each would cost the compute lane when
@@ -114,7 +110,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if args.rate is None:
         rates: list[tuple[str, str | None]] = [("unlimited", None)]
         calibrated = common.RESULTS_DIR / "throughput.json"
-        if calibrated.exists():
+        if calibrated.exists() and not args.quick:  # --quick: unlimited only
             targets = common.read_json(calibrated)["calibration"].get(str(args.ranks), {}).get("targets", {})
             rates += [(name, t["rate"]) for name, t in targets.items()]
     else:
@@ -162,7 +158,8 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
             for s in ("profile-2ranks", "profile-4ranks") if s in results]
 
 
-BENCHMARK = common.Benchmark("profile", __doc__, arguments, rank, sweep, quick, stem="profile-{ranks}ranks")
+BENCHMARK = common.Benchmark("profile", __doc__, arguments, rank, sweep, quick={"rounds": 4},
+                             stem="profile-{ranks}ranks")
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

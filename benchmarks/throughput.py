@@ -56,12 +56,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.ranks, args.updates, args.repeats = [2], 2, args.repeats or 1
-
-
 def check(args: argparse.Namespace) -> str | None:
-    args.repeats = args.repeats or 3
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.baseline is not None:  # an A/B run is printed, not a README figure
         args.no_report = True
         if "--out" not in args.argv:
@@ -462,7 +458,8 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
                                                      for r in data["runs"])]]
 
 
-BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, check=check,
+                             quick={"ranks": [2], "updates": 2})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

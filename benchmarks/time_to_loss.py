@@ -9,6 +9,7 @@ communication takes as long as one round of compute and at three times that.
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: the clock,
 the off-clock evaluation and the target are in benchmarks/README.md, "Time to loss".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,13 +63,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=None, help=argparse.SUPPRESS)  # set by the driver for its rank launches
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.seeds, args.budget = args.seeds[:1], 6.0
-    args.eval_every = args.eval_every or args.budget / 4
-
-
 def check(args: argparse.Namespace) -> str | None:
-    args.eval_every = args.eval_every or args.budget / 8
+    args.eval_every = args.eval_every or args.budget / (4 if args.quick else 8)
+    args.seeds = args.seeds[:1] if args.quick else args.seeds
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
     if args.rates is not None and len(args.rates) > len(RATE_LABELS):
@@ -521,7 +518,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
     return rows + [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
 
 
-BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, check=check, quick={"budget": 6.0})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)
