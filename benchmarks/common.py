@@ -53,9 +53,6 @@ __all__ = [
 ]
 
 
-# ------------------------------------------------------------------------- the registry
-
-
 @dataclass(frozen=True)
 class MethodSpec:
     """What a method name means, once for every benchmark, table and plot."""
@@ -126,9 +123,6 @@ def label(name: str) -> str:
         return method_spec(name).label
     except ValueError:
         return name
-
-
-# ------------------------------------------------------------------------------ methods
 
 
 @dataclass(frozen=True)
@@ -343,9 +337,6 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
 
 
-# ----------------------------------------------------------------------- the round loop
-
-
 @dataclass
 class RoundRecord:
     """What one round did on this rank, as the training thread saw it."""
@@ -412,9 +403,6 @@ def lane_summary(stats: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------- ranks and data
-
-
 def training_text(seq_len: int) -> tuple[Tensor, Tensor]:
     """The example's corpus (the standard library's .py files) as train / held-out tokens."""
     return split_corpus(load_corpus(None), seq_len)
@@ -462,9 +450,6 @@ def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
-
-
-# ------------------------------------------------------------------ other load on the host
 
 
 def cpu_busy_seconds() -> float:
@@ -521,9 +506,6 @@ def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: fl
             announced = True
 
 
-# ------------------------------------------------------------------- another checkout
-
-
 class Checkout:
     """The ``acco`` package of another checkout of this repository, imported beside this
     one's, so that both run interleaved in one process, on the same process group, data and
@@ -568,9 +550,6 @@ class Checkout:
         """One of its modules, e.g. ``acco.sharding``."""
         with self.active():
             return importlib.import_module(name)
-
-
-# -------------------------------------------------------------------------- entry point
 
 
 @dataclass(frozen=True)
@@ -668,9 +647,6 @@ def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | Non
         if code:
             raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
         return {**read_json(out), "runtime_s": time.perf_counter() - started}
-
-
-# ----------------------------------------------------------------------- files, tables, plots
 
 
 def save(args: argparse.Namespace, results: dict[str, Any]) -> None:

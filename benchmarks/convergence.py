@@ -4,9 +4,6 @@ the synchronous update taken from the same parameters and data (:class:`UpdateDi
 
     python benchmarks/convergence.py                 # 2 ranks, plain torchrun (no root needed)
     python benchmarks/convergence.py --quick         # 20 updates: a smoke run, into results/scratch/
-
-Every method sees the same micro-batches, recipe and updates: equal samples
-(benchmarks/README.md, "Convergence").
 """
 
 from __future__ import annotations
@@ -56,9 +53,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_config(args: argparse.Namespace) -> common.ModelConfig:
     return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
-
-
-# ------------------------------------------------------------------- the update difference
 
 
 class UpdateDifference:
@@ -170,9 +164,6 @@ class UpdateDifference:
         return [f[rank * plan.chunk : (rank + 1) * plan.chunk].clone() for f, plan in zip(flats, self.opt.shard_plans)]
 
 
-# ------------------------------------------------------------------------------- training
-
-
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     if args.method is None:
         raise SystemExit("a rank launch needs --method")
@@ -246,9 +237,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         if sync:
             run["gap_vs_sync"] = (run["final_eval_loss"] - sync) / sync
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def table(data: dict[str, Any]) -> str:

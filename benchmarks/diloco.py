@@ -8,6 +8,7 @@ the only time they all hold one model, and ``finish()`` puts that model back.
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,27 +25,18 @@ __all__ = ["TorchftDiLoCoMethod", "torchft_version"]
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 INSTALL = "pip install -e '.[bench]'"
-
-
-def _quiet_torchft() -> None:
-    # torchft's Rust side logs every quorum at INFO unless told otherwise; it reads this
-    # when the extension loads, so before the first import.
-    os.environ.setdefault("RUST_LOG", "warn")
+# torchft's Rust side logs every quorum at INFO unless told otherwise; it reads this when
+# the extension loads, so before the first import.
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 def torchft_version() -> str | None:
     """torchft's version if it imports here, else None."""
-    _quiet_torchft()
     try:
-        import importlib.metadata
-
         import torchft  # noqa: F401
     except ImportError:
         return None
-    try:
-        return importlib.metadata.version("torchft")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return importlib.metadata.version("torchft")
 
 
 class TorchftDiLoCoMethod(Method):

@@ -4,9 +4,7 @@
     python benchmarks/gpu_overlap.py --world-sizes 1 --rounds 10
     python benchmarks/gpu_overlap.py --quick --device cpu   # a smoke run of the code path, no GPU needed
 
-Every world size runs under torchrun with gloo (world size 2: two ranks on the same GPU).
-What it measures, and the chrome trace in ``results/gpu_overlap-trace-ws{N}.json.gz``:
-benchmarks/README.md, "The CUDA lane on one GPU".
+World size 2 is two ranks on the same GPU, over gloo; what it measures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -51,18 +49,14 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def device_batches(config: common.ModelConfig, seed: int, device: torch.device) -> Any:
-    """Cycles through 8 micro-batches already on the device: no host copy in the loop."""
-    next_batch = common.batches(common.training_text(config.seq_len)[0], config, seed)
-    return itertools.cycle([tuple(t.to(device) for t in next_batch()) for _ in range(8)]).__next__
-
-
 def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
                trace: Path | None = None) -> dict[str, Any]:
     config = QUICK_CONFIG if args.quick else CONFIG
     rounds_per_update = 2 if common.method_spec(name).mode == "acco" else 1  # --micro-batches per round in every mode
     method = common.build_method(name, config, args.micro_batches * rounds_per_update, device=ctx.device)
-    next_batch = device_batches(config, 1000 + ctx.rank, ctx.device)
+    stream = common.batches(common.training_text(config.seq_len)[0], config, 1000 + ctx.rank)
+    # 8 micro-batches already on the device, cycled: no host copy in the loop
+    next_batch = itertools.cycle([tuple(t.to(ctx.device) for t in stream()) for _ in range(8)]).__next__
     cuda = ctx.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     for _ in range(3):  # warm-up: kernels, the lane thread, optimizer state

@@ -4,9 +4,7 @@ tensor bytes by kind (at rest and at the end of a backward) and as peak resident
     python benchmarks/memory.py            # 2 and 4 ranks, fp32 and bf16, plain torchrun
     python benchmarks/memory.py --quick    # 2 ranks, fp32: a smoke run, into results/scratch/
 
-Each method trains in fresh processes: ``--warmup`` updates (every lazily allocated buffer
-exists), then ``--updates`` measured ones. How tensors and resident memory are counted:
-benchmarks/README.md, "Memory".
+Each method trains in fresh processes; what is counted: benchmarks/README.md, "Memory".
 """
 
 from __future__ import annotations
@@ -168,9 +166,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         runs.sort(key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
         results = {**previous, "runs": runs}
     return results
-
-
-# ------------------------------------------------------------------------------------ tables
 
 
 def worst(run: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,6 @@
-"""Run N ranks on this machine behind a rate-limited network.
-
-A fresh network namespace whose loopback carries a token-bucket filter (``tc qdisc ... tbf``)
-stands in for a slow cluster network: every rank talks to the others on 127.0.0.1, so every
-byte of every collective crosses the limited link, shared by all ranks. The namespace is
-always removed afterwards (also on Ctrl-C, SIGTERM or a failing command). Needs root (or
-CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; what the link is and is not:
-benchmarks/README.md, "A slow cluster on one machine".
+"""Run N ranks on this machine behind a rate-limited network: a fresh network namespace
+whose loopback carries a token-bucket filter, always removed afterwards. Needs root and
+iproute2; what the link is and is not: benchmarks/README.md, "A slow cluster on one machine".
 
     sudo $(which python) benchmarks/netns.py --nproc 2 --rate 200mbit -- examples/train_gpt.py
     sudo $(which python) benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
@@ -74,7 +69,7 @@ def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAU
 
 
 def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = None, *, burst: str = DEFAULT_BURST,
-              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None, timeout: float | None = None) -> int:
+              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None) -> int:
     """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace,
     every rank on 127.0.0.1; torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the
     namespace's name) and ``ACCO_BENCH_RATE`` in their environment."""
@@ -87,7 +82,7 @@ def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = Non
                    *script_and_args]
         process = subprocess.Popen(command, env=child_env, start_new_session=True)
         try:
-            return process.wait(timeout=timeout)
+            return process.wait()
         except BaseException:
             _stop(process)
             raise

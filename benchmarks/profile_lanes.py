@@ -5,9 +5,7 @@
     sudo $(which python) benchmarks/profile_lanes.py --trace acco     # + a torch.profiler trace in results/
     sudo $(which python) benchmarks/profile_lanes.py --quick          # unlimited only, 4 rounds, results/scratch/
 
-For every method, a few rounds in throughput.py's timed window, seen by rank 0 (threads'
-CPU time and run-queue waits, the lane's phases' wall and CPU time); then, alone on one
-thread, the CPU cost of each piece of work a round adds.
+Rounds in throughput.py's timed window as rank 0 sees them, then the CPU cost of each piece of a round, alone.
 """
 
 from __future__ import annotations

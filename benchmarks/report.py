@@ -1,13 +1,9 @@
-"""Puts the benchmarks' tables and plots into the READMEs; every table and plot belongs to
-its benchmark's module (``blocks()``, ``targets()``, ``runtimes()``), this only assembles.
+"""Puts the benchmarks' tables and plots (each module's ``blocks()``, ``targets()`` and
+``runtimes()``, from its ``results/NAME.json`` and ``results/NAME-*.json``) between
+``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in the READMEs.
 
     python benchmarks/report.py                                   # results/ -> the READMEs
     python benchmarks/report.py --results benchmarks/results/scratch --print   # a smoke run's, printed
-
-Reads each benchmark's ``results/NAME.json`` and ``results/NAME-*.json`` (whichever exist),
-writes the plots next to them, and replaces the blocks between
-``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in
-benchmarks/README.md and the repository README. Nothing in those blocks is typed by hand.
 """
 
 from __future__ import annotations
@@ -46,11 +42,6 @@ def load(results_dir: Path, stem: str) -> dict[str, Any]:
     return {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
 
 
-def targets_table(rows: Sequence[tuple[str, str, bool | None]]) -> str:
-    return md_table(["target", "measured", ""],
-                    [[t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in rows])
-
-
 def replace_block(text: str, name: str, body: str) -> str | None:
     """``text`` with block ``name``'s body replaced; None if it has no such block."""
     marker = re.escape(name)
@@ -75,7 +66,8 @@ def generate(results_dir: Path) -> dict[str, str]:
         default = [(stem, results[stem]["runtime_s"])] if "runtime_s" in results.get(stem, {}) else []
         runtime_rows += module.runtimes(results) if hasattr(module, "runtimes") else default
     if target_rows:
-        blocks["targets"] = targets_table(target_rows)
+        blocks["targets"] = md_table(["target", "measured", ""], [
+            [t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in target_rows])
     if runtime_rows:
         blocks["runtimes"] = md_table(["benchmark", "runtime (this machine, 2 cores)"],
                                       [[name, minutes(seconds)] for name, seconds in runtime_rows])

@@ -6,9 +6,7 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
     sudo $(which python) benchmarks/throughput.py --quick --rates unlimited --baseline /tmp/acco-352a168
     torchrun --nnodes=2 --nproc-per-node=1 ... benchmarks/throughput.py --out throughput-cluster.json
 
-The timed window, the rotated repeats, the calibrated rates (``comm~compute``: one acco
-round of communication alone takes as long as one of compute; ``comm~3x``: three times) and
-the ``--baseline`` A/B: benchmarks/README.md, "Throughput" and "Is the speed unchanged?".
+The window, the calibrated rates and the A/B: benchmarks/README.md, "Throughput".
 """
 
 from __future__ import annotations
@@ -67,9 +65,6 @@ def check(args: argparse.Namespace) -> str | None:
     if args.baseline is not None and not (args.baseline / "acco" / "__init__.py").is_file():
         return f"--baseline {args.baseline}: no acco/__init__.py there"
     return None
-
-
-# ------------------------------------------------------------------------------ rank side
 
 
 def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, rounds: int,
@@ -240,9 +235,6 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"repeats": len(next(iter(runs.values()))), "methods": methods}
 
 
-# ---------------------------------------------------------------------------- driver side
-
-
 def bits(rate: float) -> str:
     return f"{int(rate)}bit"
 
@@ -300,9 +292,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             if args.baseline is not None:
                 print(baseline_table(run))
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def by_ranks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:

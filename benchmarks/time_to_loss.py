@@ -6,8 +6,7 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
 
-DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: the clock,
-the off-clock evaluation and the target are in benchmarks/README.md, "Time to loss".
+DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -82,9 +81,6 @@ def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
 def warmup_constant(warmup: int) -> Callable[[int], float]:
     """LambdaLR factor: linear warm-up over ``warmup`` updates, then the peak, constant."""
     return lambda update: min(1.0, (update + 1) / (warmup + 1))
-
-
-# ------------------------------------------------------------------------------ rank side
 
 
 class AgreedClock:
@@ -241,9 +237,6 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
             "threads_per_rank": torch.get_num_threads(), "methods": runs}
 
 
-# ---------------------------------------------------------------------------- driver side
-
-
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     config = model_config(args, args.seeds[0])
@@ -281,9 +274,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     results["summary"] = summary(results)
     print(table(results))
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def first_crossing(points: list[dict[str, Any]], target: float, key: str = "elapsed_s") -> float | None:
@@ -416,8 +406,8 @@ def section(data: dict[str, Any]) -> str:
              f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
              f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per "
              f"method**, held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of "
-             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: torchft {cfg['diloco']['torchft']}'s `DiLoCo`. "
-             f"Cells with a range: median (min-max) over the seeds.")
+             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: torchft "
+             f"{cfg['diloco']['torchft']}'s `DiLoCo`. Cells with a range: median (min-max) over the seeds.")
     calibration = data.get("calibration", {})
     if calibration.get("targets"):
         base = calibration["unlimited"]
