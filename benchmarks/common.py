@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -140,9 +139,6 @@ class ModelConfig:
     max_grad_norm: float | None = None
     seed: int = 1337
 
-    def gpt(self) -> GPTConfig:
-        return GPTConfig(self.n_layer, self.n_embd, self.n_head, self.seq_len)
-
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -167,7 +163,7 @@ def describe(config: dict[str, Any], parameters: float) -> str:
 
 def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | None = None) -> GPT:
     torch.manual_seed(config.seed)  # the same initial model in every method and on every rank
-    return GPT(config.gpt()).to(device=device, dtype=dtype)
+    return GPT(GPTConfig(config.n_layer, config.n_embd, config.n_head, config.seq_len)).to(device=device, dtype=dtype)
 
 
 class UnsupportedMethod(RuntimeError):
@@ -459,11 +455,6 @@ def cpu_busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class Window:
     """A measured stretch of training, the same on every rank: its wall time, the bytes on the
     namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
@@ -475,13 +466,13 @@ class Window:
         dist.barrier()
 
     def open(self) -> None:
-        self._busy, self._own, self._bytes = cpu_busy_seconds(), own_cpu_seconds(), lo_tx_bytes()
+        self._busy, self._own, self._bytes = cpu_busy_seconds(), time.process_time(), lo_tx_bytes()
         self._wall = time.perf_counter()
 
     def close(self) -> dict[str, Any]:
         wall, sent = time.perf_counter() - self._wall, lo_tx_bytes()
         busy = cpu_busy_seconds() - self._busy
-        (own,) = all_reduce([own_cpu_seconds() - self._own])
+        (own,) = all_reduce([time.process_time() - self._own])  # every thread of this rank
         share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if dist.get_rank() == 0 else 0.0
         return {"wall_s": wall, "lo_bytes": None if sent is None or self._bytes is None else sent - self._bytes,
                 "foreign_cpu_share": all_reduce([share])[0], "waited_for_quiet_s": self.waited_for_quiet_s}
@@ -507,10 +498,8 @@ def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: fl
 
 
 class Checkout:
-    """The ``acco`` package of another checkout of this repository, imported beside this
-    one's, so that both run interleaved in one process, on the same process group, data and
-    machine state (an A/B measurement). Its modules sit in ``sys.modules`` only inside
-    :meth:`active`, so imports made while it runs find its own modules, not this one's.
+    """The ``acco`` package of another checkout, imported beside this one's for an A/B in one
+    process; its modules sit in ``sys.modules`` only inside :meth:`active`.
 
     Raises:
         ValueError: ``root`` holds no ``acco`` package.
@@ -554,19 +543,11 @@ class Checkout:
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark's arguments, what each rank of one launch does, and the driver's sweep.
-
-    Attributes:
-        name: results go to ``results/NAME.json`` (``--quick``: ``results/scratch/``), or
-            to ``results/`` + ``stem`` formatted with the arguments (``"profile-{ranks}ranks"``).
-        doc: the module docstring; its first paragraph is the ``--help`` description.
-        arguments: adds the benchmark's own options to the parser.
-        rank: one launch's work, on every rank; rank 0's return value is its JSON.
-        sweep: the driver: launches ranks with :func:`run_ranks`, returns the results
-            (it may :func:`save` them as it goes, so a long sweep keeps what it has);
-            default: one launch of ``args.ranks`` ranks under plain ``torchrun``.
-        quick: the arguments ``--quick`` (a smoke run of a few minutes) sets, by destination.
-        check: returns what is wrong with the parsed arguments, or None.
+    """One benchmark: ``arguments`` adds its options; ``rank`` is one launch's work on every
+    rank (rank 0's return value is its JSON); ``sweep``, the driver, launches ranks with
+    :func:`run_ranks` (default: one launch of ``args.ranks``); ``quick``: the arguments
+    ``--quick`` sets; ``check``: what is wrong with the arguments, or None. Results go to
+    ``results/NAME.json``, or ``stem`` formatted with the arguments (``profile-{ranks}ranks``).
     """
 
     name: str
@@ -582,8 +563,7 @@ class Benchmark:
         parser = argparse.ArgumentParser(description=self.doc.split("\n\n")[0])
         self.arguments(parser)
         add = parser.add_argument
-        stem = self.stem or self.name
-        add("--out", type=Path, default=None, help=f"JSON output (default: benchmarks/results/{stem}.json)")
+        add("--out", type=Path, default=None, help=f"JSON output (default: results/{self.stem or self.name}.json)")
         add("--no-report", action="store_true", help="do not regenerate the README tables and plots")
         add("--quick", action="store_true", help="a short smoke run, into results/scratch/ (no report)")
         add("--label", default=None, help=argparse.SUPPRESS)  # names a rank launch in its output

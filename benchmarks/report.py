@@ -29,11 +29,8 @@ from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 __all__ = ["main"]
 
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md")
-# Each benchmark's module and the stem of its results files, in the order of the runtimes table.
-BENCHMARKS: tuple[tuple[ModuleType, str], ...] = (
-    (throughput, "throughput"), (convergence, "convergence"), (memory, "memory"), (time_to_loss, "time_to_loss"),
-    (profile_lanes, "profile"), (gpu_overlap, "gpu_overlap"),
-)
+# In the order of the runtimes table; results files are named after each one's Benchmark.
+BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap)
 
 
 def load(results_dir: Path, stem: str) -> dict[str, Any]:
@@ -42,21 +39,13 @@ def load(results_dir: Path, stem: str) -> dict[str, Any]:
     return {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
 
 
-def replace_block(text: str, name: str, body: str) -> str | None:
-    """``text`` with block ``name``'s body replaced; None if it has no such block."""
-    marker = re.escape(name)
-    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
-    if not pattern.search(text):
-        return None
-    return pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text)
-
-
 def generate(results_dir: Path) -> dict[str, str]:
     """Every block the results in ``results_dir`` make (plots written there too)."""
     blocks: dict[str, str] = {}
     target_rows: list[tuple[str, str, bool | None]] = []
     runtime_rows: list[tuple[str, float]] = []
-    for module, stem in BENCHMARKS:
+    for module in BENCHMARKS:
+        stem = module.BENCHMARK.name
         results = load(results_dir, stem)
         if not results:
             continue
@@ -86,11 +75,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     texts = {path: path.read_text() for path in READMES}
     for name, body in blocks.items():
-        placed = False
-        for path, text in texts.items():
-            replaced = replace_block(text, name, body)
-            if replaced is not None:
-                texts[path], placed = replaced, True
+        marker = re.escape(name)
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
+        placed = [path for path, text in texts.items() if pattern.search(text)]
+        for path in placed:
+            texts[path] = pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), texts[path])
         if not placed:
             print(f"report: no block {name!r} in the READMEs; skipped", file=sys.stderr)
     for path, text in texts.items():
