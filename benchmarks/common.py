@@ -423,15 +423,13 @@ def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]
 
 
 def rotated(items: Sequence[Any], shift: int) -> list[Any]:
-    """``items`` from position ``shift`` on, then the rest: repeat r runs the methods in a
-    rotated order, so that no method is always first after the warm-up."""
+    """``items`` rotated by ``shift``: no method is always the first after the warm-up."""
     shift %= max(1, len(items))
     return [*items[shift:], *items[:shift]]
 
 
 def lo_tx_bytes() -> int | None:
-    """Bytes sent on the namespace's loopback so far (every rank's traffic), or None outside
-    the benchmark's namespace (on a real cluster each node has its own counters)."""
+    """Bytes sent on the namespace's loopback so far (every rank's traffic); None outside it."""
     if "ACCO_BENCH_NETNS" not in os.environ:
         return None
     try:
@@ -458,11 +456,27 @@ def cpu_busy_seconds() -> float:
 class Window:
     """A measured stretch of training, the same on every rank: its wall time, the bytes on the
     namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
-    disturbs benchmarks; this shows by how much). Collective: every rank makes, opens and
-    closes it."""
+    disturbs benchmarks; this shows by how much). It starts by waiting until other processes
+    use under ``threshold`` of the CPU (at most ``max_quiet_wait_s``).
 
-    def __init__(self, max_quiet_wait_s: float = 900.0) -> None:
-        self.waited_for_quiet_s = wait_for_quiet(max_wait_s=max_quiet_wait_s)
+    Collective: every rank makes, opens and closes it.
+    """
+
+    def __init__(self, max_quiet_wait_s: float = 900.0, threshold: float = 0.1, sample_s: float = 0.5) -> None:
+        started, announced = time.perf_counter(), False
+        while True:
+            busy0 = cpu_busy_seconds()
+            time.sleep(sample_s)
+            (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
+            self.waited_for_quiet_s = time.perf_counter() - started
+            if share < threshold or self.waited_for_quiet_s > max_quiet_wait_s:
+                break
+            if not announced and dist.get_rank() == 0:
+                print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
+                announced = True
+        if share >= threshold:
+            print(f"the machine is still {share:.0%} busy after {self.waited_for_quiet_s:.0f} s: measuring anyway",
+                  flush=True)
         dist.barrier()
 
     def open(self) -> None:
@@ -476,25 +490,6 @@ class Window:
         share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if dist.get_rank() == 0 else 0.0
         return {"wall_s": wall, "lo_bytes": None if sent is None or self._bytes is None else sent - self._bytes,
                 "foreign_cpu_share": all_reduce([share])[0], "waited_for_quiet_s": self.waited_for_quiet_s}
-
-
-def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: float = 900.0) -> float:
-    """Wait (collectively) until the other processes use less than ``threshold`` of the
-    machine's CPU while the ranks sleep; returns the seconds waited (gives up after
-    ``max_wait_s``, and says so)."""
-    started, announced = time.perf_counter(), False
-    while True:
-        busy0 = cpu_busy_seconds()
-        time.sleep(sample_s)
-        (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
-        waited = time.perf_counter() - started
-        if share < threshold or waited > max_wait_s:
-            if share >= threshold:
-                print(f"the machine is still {share:.0%} busy after {waited:.0f} s: measuring anyway", flush=True)
-            return waited
-        if not announced and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
-            announced = True
 
 
 class Checkout:

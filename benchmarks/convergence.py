@@ -296,15 +296,13 @@ def plot(data: dict[str, Any], path: Path) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    out = {"convergence-runs": runs_table(results)}
-    if "convergence" in results:
-        data = results["convergence"]
-        out["convergence"] = table(data) + f"\n\n![convergence](results/{plot(data, figures / 'convergence.png')})"
-    return out
+    data = results["convergence"]
+    return {"convergence-runs": runs_table(results),
+            "convergence": table(data) + f"\n\n![convergence](results/{plot(data, figures / 'convergence.png')})"}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    methods = results.get("convergence", {}).get("methods", {})
+    methods = results["convergence"]["methods"]
     if "acco" not in methods or "acco-sync" not in methods:
         return []
     rows: list[tuple[str, str, bool | None]] = []

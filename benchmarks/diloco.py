@@ -40,10 +40,9 @@ def torchft_version() -> str | None:
 
 
 class TorchftDiLoCoMethod(Method):
-    """The inner AdamW over an update's micro-batches (the same warm-up per inner step and
-    clipping as the other methods), synchronised by torchft every H (``diloco-hH``) steps.
-
-    Collective: every rank of the default group constructs it and calls ``close()``.
+    """The inner AdamW (the other methods' warm-up per inner step and clipping), synchronised
+    by torchft every H (``diloco-hH``) steps. Collective: every rank constructs it and calls
+    ``close()``.
 
     Raises:
         ImportError: torchft is not installed.

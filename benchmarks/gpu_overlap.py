@@ -185,7 +185,7 @@ def section(data: dict[str, Any]) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    return {"gpu": section(results["gpu_overlap"])} if "gpu_overlap" in results else {}
+    return {"gpu": section(results["gpu_overlap"])}
 
 
 BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, check=check,

@@ -264,17 +264,12 @@ def summary(data: dict[str, Any], baseline: dict[str, Any] | None) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    data = results.get("memory")
-    if data is None:
-        return {}
-    return {"memory": table(data, results.get("memory-baseline")),
-            "memory-summary": summary(data, results.get("memory-baseline"))}
+    return {"memory": table(results["memory"], results.get("memory-baseline")),
+            "memory-summary": summary(results["memory"], results.get("memory-baseline"))}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    data = results.get("memory")
-    if data is None:
-        return []
+    data = results["memory"]
     rows: list[tuple[str, str, bool | None]] = [
         (f"{ranks} ranks, {dtype}: {common.label(method)} peak per rank <= ZeRO-1 + {t['target']:.2f} model sizes "
          "(tensors at the end of a backward / peak RSS)", f"{t['tensors']:+.2f} / {t['rss']:+.2f}", t["met"])

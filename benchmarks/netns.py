@@ -102,11 +102,6 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
-def _raise(signum: int, frame: object) -> None:
-    # SIGTERM becomes an exception, so the `finally` that deletes the namespace runs.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
@@ -118,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the script to run after --")
-    signal.signal(signal.SIGTERM, _raise)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # an exception: the namespace's `finally` runs
     try:
         return run_ranks(args.nproc, command, args.rate, burst=args.burst, latency=args.latency)
     except NetnsError as error:

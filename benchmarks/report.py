@@ -33,22 +33,17 @@ READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md")
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap)
 
 
-def load(results_dir: Path, stem: str) -> dict[str, Any]:
-    """``STEM.json`` and every ``STEM-NAME.json``, by file stem, ``STEM`` first."""
-    paths = [results_dir / f"{stem}.json"] + sorted(results_dir.glob(f"{stem}-*.json"))
-    return {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
-
-
 def generate(results_dir: Path) -> dict[str, str]:
     """Every block the results in ``results_dir`` make (plots written there too)."""
     blocks: dict[str, str] = {}
     target_rows: list[tuple[str, str, bool | None]] = []
     runtime_rows: list[tuple[str, float]] = []
     for module in BENCHMARKS:
-        stem = module.BENCHMARK.name
-        results = load(results_dir, stem)
-        if not results:
-            continue
+        stem = module.BENCHMARK.name  # STEM.json first, then every STEM-NAME.json, by file stem
+        paths = [results_dir / f"{stem}.json"] + sorted(results_dir.glob(f"{stem}-*.json"))
+        results: dict[str, Any] = {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
+        if stem not in results and not module.BENCHMARK.stem:
+            continue  # the module reads its main results file (one whose files are named by ``stem`` has none)
         blocks.update(module.blocks(results, results_dir))
         target_rows += getattr(module, "targets", lambda r: [])(results)
         # by default, the main results file's runtime

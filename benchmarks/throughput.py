@@ -240,11 +240,8 @@ def bits(rate: float) -> str:
 
 
 def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
-    """Find the tbf rates at which acco's communication per round is 1x and 3x its compute.
-
-    The comm time is modelled as ``t(rate) = t_unlimited + bytes / rate`` and the rate
-    refined by measuring until it is within 10% of the target.
-    """
+    """The tbf rates at which acco's communication per round is 1x and 3x its compute: comm
+    time modelled as ``t_unlimited + bytes / rate``, refined by measuring until within 10%."""
     base = common.run_ranks(args, ranks, "--calibrate", "--label", f"calibrate {ranks} ranks", netns=True)
     compute, fixed = base["compute_s_per_round"], base["comm_s_per_round"]
     print(f"calibration, {ranks} ranks: compute {compute:.3f} s per acco round; comm unlimited {fixed:.3f} s, "

@@ -481,16 +481,12 @@ def plot(data: dict[str, Any], path: Path) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return {}
+    data = results["time_to_loss"]
     return {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return []
+    data = results["time_to_loss"]
     return [(f"{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {BAR[rate]} of "
              "the same wall-clock budget (time_to_loss.py, median over seeds)",
              f"{row[1]:.2f} ({common.label(row[0])})" if row else "not reached",
@@ -499,9 +495,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return []
+    data = results["time_to_loss"]
     rows = [("time_to_loss", data["runtime_s"])]
     if data.get("calibration_runtime_s"):
         rows.append(("  calibration", data["calibration_runtime_s"]))
