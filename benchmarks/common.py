@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import datetime
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -44,11 +45,12 @@ from examples.train_gpt import (  # noqa: E402
 )
 
 __all__ = [
-    "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
-    "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
-    "build_model", "describe", "even", "label", "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name",
-    "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rank_batches", "rate_text",
-    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "warm_up", "write_json",
+    "BENCH_DIR", "METHODS", "OUTER_LR", "OUTER_MOMENTUM", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "TORCHFT_INSTALL",
+    "AccoMethod", "Benchmark", "Checkout", "Method", "MethodSpec", "ModelConfig", "RoundRecord", "TorchftDiLoCoMethod",
+    "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model", "describe", "even", "label",
+    "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name", "method_spec", "minutes", "model_arguments",
+    "model_config", "phases", "pyplot", "rank_batches", "rate_text", "read_json", "rotated", "run_ranks", "save",
+    "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
 ]
 
 
@@ -150,7 +152,10 @@ def model_arguments(parser: argparse.ArgumentParser, defaults: ModelConfig) -> N
 
 
 def model_config(args: argparse.Namespace, **settings: Any) -> ModelConfig:
-    """The model the size options ask for, with ``settings`` (lr, seed...) for the rest."""
+    """The model the size options ask for, ``--lr`` and ``--grad-clip`` (0: off) where a
+    benchmark has them, and ``settings`` (seed...) for the rest."""
+    if "grad_clip" in vars(args):
+        settings = {"lr": args.lr, "max_grad_norm": args.grad_clip or None, **settings}
     return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
                        batch_size=args.batch_size, **settings)
 
@@ -219,7 +224,7 @@ class Method:
 
     def committed_micro_batches(self, counted: int) -> float:
         """Micro-batches of every rank whose gradients are in the committed parameters."""
-        return counted * self.micro_batches_per_update * dist.get_world_size()
+        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
 
 
 class Roofline(Method):
@@ -307,6 +312,103 @@ class AccoMethod(Method):
         return self.opt.committed_weight  # weight 1 per micro-batch, every rank
 
 
+TORCHFT_INSTALL = "pip install -e '.[bench]'"
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer SGD with Nesterov momentum (Douillard et al. 2023)
+
+
+def torchft_version() -> str | None:
+    """torchft's version if it imports here (DiLoCo runs through it), else None."""
+    # torchft's Rust side logs every quorum at INFO unless told otherwise; it reads this when
+    # the extension loads, so before the first import.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return None
+    return importlib.metadata.version("torchft")
+
+
+class TorchftDiLoCoMethod(Method):
+    """DiLoCo through ``torchft.local_sgd.DiLoCo``, each rank a replica group of one, rank 0
+    running torchft's lighthouse: the inner AdamW (an inner step is an update's micro-batches,
+    with the other methods' warm-up and clipping), synchronised every H (``diloco-hH``) steps.
+    ``end_round()`` is True only when the ranks have just synchronised, the only time they
+    hold one model; ``finish()`` puts that model back. Collective: every rank constructs it
+    and calls ``close()``.
+
+    Raises:
+        ImportError: torchft is not installed.
+    """
+
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+        if torchft_version() is None:
+            raise ImportError(f"{name}: DiLoCo runs through torchft, which does not import here ({TORCHFT_INSTALL})")
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.coordination import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.sync_every = int(name.removeprefix("diloco-h"))
+        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
+        self.inner_steps = self.outer_steps = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
+        # others through the default group's store-backed broadcast.
+        self._lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world) if rank == 0 else None
+        address = [self._lighthouse.address() if self._lighthouse is not None else None]
+        dist.broadcast_object_list(address, src=0)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # use_async_quorum=False: DiLoCo requires it. init_sync=False: every rank built the same
+        # model from the same seed; with init_sync, the first quorum would make one replica
+        # fetch the other's state over HTTP mid-run.
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, replica_id=f"rank{rank}", rank=0, world_size=1,
+            load_state_dict=lambda state: model.load_state_dict(state["model"]), store_addr="127.0.0.1",
+            state_dict=lambda: {"model": model.state_dict()}, store_port=self._store.port, hostname="127.0.0.1",
+            lighthouse_addr=address[0], use_async_quorum=False, init_sync=False, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout)
+        self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
+        self.diloco.__enter__()  # registers its hooks on the inner optimizer
+        self.synced = [p.detach().clone() for p in self._params]
+
+    def end_round(self) -> bool:
+        before = self.manager.current_step()  # counts committed synchronisations
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
+        self.inner.step()  # torchft synchronises in the inner optimizer's post-step hook
+        self.inner.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.inner_steps += 1
+        if self.manager.current_step() == before:
+            return False
+        self.outer_steps += 1
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                s.copy_(p)
+        return True
+
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def committed_updates(self, counted: int) -> int:
+        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
+
+    def close(self) -> None:
+        """Leave torchft (collective: the lighthouse goes once every rank is done)."""
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+        dist.barrier()
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+
+
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
                  schedule: Callable[[int], float] | None = None) -> Method:
@@ -327,8 +429,6 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
     if spec.family == "ddp":
         return DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
     if spec.family == "diloco":
-        from diloco import TorchftDiLoCoMethod
-
         return TorchftDiLoCoMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
 

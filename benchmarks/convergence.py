@@ -51,10 +51,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # a rank launch trains this one
 
 
-def model_config(args: argparse.Namespace) -> common.ModelConfig:
-    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
-
-
 class UpdateDifference:
     """``||u - u_sync|| / (||u|| + ||u_sync||)`` every ``every`` updates: acco's (or dpu's)
     update against the synchronous one replayed from the same shard, AdamW state and
@@ -167,7 +163,7 @@ class UpdateDifference:
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     if args.method is None:
         raise SystemExit("a rank launch needs --method")
-    config = model_config(args)
+    config = common.model_config(args, seed=args.seed)
     train_data, held_out = common.training_text(config.seq_len)
     next_batch = common.batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, config.seed,
@@ -218,7 +214,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    config = model_config(args)
+    config = common.model_config(args, seed=args.seed)
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "ranks": args.ranks, "updates": args.updates,
                    "micro_batches_per_update": args.micro_batches, "warmup": args.warmup,

@@ -137,7 +137,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     runs = [common.run_ranks(args, world_size, "--label", f"ws{world_size}") for world_size in args.world_sizes]
     print(table(runs))
-    return {"benchmark": "gpu_overlap", "runs": runs}
+    return {"runs": runs}
 
 
 def table(runs: list[dict[str, Any]]) -> str:

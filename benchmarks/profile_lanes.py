@@ -42,9 +42,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
-    """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
-    alone (this rank only, the others wait): what each would cost the compute lane when
-    no core is free. Sizes are those of the model's flat buffers and shards."""
+    """Single-thread CPU ms of each piece of work a round puts on a rank, at the model's buffer
+    sizes, timed alone: what each costs the compute lane when no core is free."""
     numel = sum(p.numel() for p in common.build_model(config).parameters())
     chunk = -(-numel // world_size)
     full, other, shard = torch.randn(chunk * world_size), torch.randn(chunk * world_size), torch.randn(chunk)
@@ -113,8 +112,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
             rates += [(name, t["rate"]) for name, t in targets.items()]
     else:
         rates = [(r, None if r == "unlimited" else r) for r in args.rate]
-    results = {"benchmark": "profile", "ranks": args.ranks, "micro_batches_per_update": args.micro_batches,
-               "profiles": []}
+    results = {"ranks": args.ranks, "micro_batches_per_update": args.micro_batches, "profiles": []}
     for name, rate in rates:
         profile = common.run_ranks(args, args.ranks, "--label", name, rate=rate, netns=True)
         results["profiles"].append({**profile, "label": name})

@@ -23,7 +23,6 @@ from typing import Any
 
 import throughput
 import common
-from diloco import INSTALL, torchft_version
 from examples.train_gpt import Dist, eval_batches, evaluate
 
 import torch
@@ -69,13 +68,10 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
     if args.rates is not None and len(args.rates) > len(RATE_LABELS):
         return f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})"
-    if any(common.method_spec(m).family == "diloco" for m in args.methods) and torchft_version() is None:
-        return f"DiLoCo runs through torchft, which does not import here: {INSTALL} (or leave the diloco methods out)"
+    if any(common.method_spec(m).family == "diloco" for m in args.methods) and common.torchft_version() is None:
+        return (f"DiLoCo runs through torchft, which does not import here: {common.TORCHFT_INSTALL} (or leave the "
+                "diloco methods out)")
     return None
-
-
-def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
-    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
 
 
 def warmup_constant(warmup: int) -> Callable[[int], float]:
@@ -86,10 +82,8 @@ def warmup_constant(warmup: int) -> Callable[[int], float]:
 class AgreedClock:
     """Training seconds since it was made, pauses left out; and the ranks' clocks, agreed one
     round late by a non-blocking all-reduce on the default group, so every rank takes the
-    same decisions at the same boundary and none waits on the busy link.
-
-    Collective: every rank calls ``exchange()`` at every round boundary and ``close()`` once.
-    """
+    same decisions at the same boundary and none waits on the busy link. Collective: every
+    rank calls ``exchange()`` at every round boundary and ``close()`` once."""
 
     def __init__(self) -> None:
         self._start, self._paused = time.perf_counter(), 0.0
@@ -206,7 +200,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
         result["lo_bytes_per_update"] = lo_bytes / updates
     if method.spec.family == "diloco":
         result.update(sync_every=method.sync_every, outer_steps=method.outer_steps, inner_steps=method.inner_steps,
-                      implementation=f"torchft {torchft_version()}")
+                      implementation=f"torchft {common.torchft_version()}")
         if lo_bytes is not None and method.outer_steps:
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.round_stats():
@@ -217,7 +211,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else args.seeds[0]
-    config = model_config(args, seed)
+    config = common.model_config(args, seed=seed)
     train_data, held_out = common.training_text(config.seq_len)
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, seed, torch.device("cpu"))
     initial_loss = evaluate(common.build_model(config), eval_set)  # every method starts from this model
@@ -239,13 +233,13 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    config = model_config(args, args.seeds[0])
+    config = common.model_config(args, seed=args.seeds[0])
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "seeds": args.seeds, "ranks": args.ranks, "budget_s": args.budget,
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
-                   "diloco": {"implementation": "torchft", "torchft": torchft_version(),
+                   "diloco": {"implementation": "torchft", "torchft": common.torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
                    "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
@@ -311,8 +305,7 @@ def median(values: list[float | None]) -> float | None:
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
     """Per rate and method: time to DDP + ZeRO-1's final held-out loss (fraction of the
-    budget, per seed, median), and what explains it (updates/s, micro-batches per update,
-    updates needed, loss at ZeRO-1's update count, bytes per update)."""
+    budget, per seed, median), and what explains it."""
     out: dict[str, Any] = {}
     by_label: dict[str, list[dict[str, Any]]] = {}
     for run in data["runs"]:
