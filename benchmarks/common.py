@@ -365,8 +365,8 @@ class TorchftDiLoCoMethod(Method):
         # model from the same seed; with init_sync, the first quorum would make one replica
         # fetch the other's state over HTTP mid-run.
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, replica_id=f"rank{rank}", rank=0, world_size=1,
-            load_state_dict=lambda state: model.load_state_dict(state["model"]), store_addr="127.0.0.1",
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, replica_id=f"rank{rank}", rank=0,
+            load_state_dict=lambda state: model.load_state_dict(state["model"]), store_addr="127.0.0.1", world_size=1,
             state_dict=lambda: {"model": model.state_dict()}, store_port=self._store.port, hostname="127.0.0.1",
             lighthouse_addr=address[0], use_async_quorum=False, init_sync=False, timeout=timeout,
             quorum_timeout=timeout, connect_timeout=timeout)
