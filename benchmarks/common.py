@@ -554,13 +554,10 @@ def cpu_busy_seconds() -> float:
 
 
 class Window:
-    """A measured stretch of training, the same on every rank: its wall time, the bytes on the
-    namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
-    disturbs benchmarks; this shows by how much). It starts by waiting until other processes
-    use under ``threshold`` of the CPU (at most ``max_quiet_wait_s``).
-
-    Collective: every rank makes, opens and closes it.
-    """
+    """A measured stretch of training, the same on every rank: its wall time, the loopback's
+    bytes and the CPU share other processes took (a shared machine disturbs benchmarks),
+    after waiting up to ``max_quiet_wait_s`` for them to use under ``threshold`` of the CPU.
+    Collective: every rank makes, opens and closes it."""
 
     def __init__(self, max_quiet_wait_s: float = 900.0, threshold: float = 0.1, sample_s: float = 0.5) -> None:
         started, announced = time.perf_counter(), False

@@ -117,8 +117,7 @@ def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, round
 
 def thread_times() -> dict[str, tuple[float, float]]:
     """This process's threads by kind: CPU seconds, and seconds runnable but waiting for a core
-    (``/proc/self/task/*/schedstat``). On a CPU with no free core, each CPU-second the comm
-    lane (or the loopback TCP it causes) spends is one the compute lane waits."""
+    (``/proc/self/task/*/schedstat``): with no free core, the comm lane's CPU is compute's wait."""
     lane = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
     out: dict[str, tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):
