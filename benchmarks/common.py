@@ -1,13 +1,7 @@
-"""What every benchmark shares: one method registry, one round loop, one entry point.
-
-The model, the corpus and the loss come from ``examples/train_gpt.py`` (imported, not
-copied). Every method in :data:`METHODS` is built by :func:`build_method` and trained by
-:func:`train_round`, one round at a time (micro-batches, then the round boundary), so the
-only thing that differs between two methods in a benchmark is the optimizer and its
-communication. Every benchmark module declares a :class:`Benchmark` and runs :func:`main`:
-the driver launches ranks (under plain ``torchrun`` or behind the rate-limited namespace of
-``netns.py``) and the same file, started by ``torchrun``, is the rank entry point. Each
-module owns the tables and plots of its results; ``report.py`` only puts them together.
+"""What every benchmark shares: one method registry (:data:`METHODS`, :func:`build_method`),
+one round loop (:func:`train_round`) and one entry point (:class:`Benchmark`, :func:`main`),
+so that two methods differ only in the optimizer and its communication. The model, corpus
+and loss are ``examples/train_gpt.py``'s (imported, not copied).
 """
 
 from __future__ import annotations
@@ -16,10 +10,10 @@ import argparse
 import contextlib
 import datetime
 import importlib
+import importlib.metadata
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -47,28 +41,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import acco  # noqa: E402
 from examples.train_gpt import (  # noqa: E402
-    GPT,
-    Dist,
-    GPTConfig,
-    load_corpus,
-    loss_fn,
-    param_groups,
-    sample_batch,
-    setup_distributed,
-    split_corpus,
+    GPT, Dist, GPTConfig, load_corpus, loss_fn, param_groups, sample_batch, setup_distributed, split_corpus,
 )
 
 __all__ = [
-    "BENCH_DIR", "METHODS", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "AccoMethod", "Benchmark", "Checkout", "Method",
-    "MethodSpec", "ModelConfig", "RoundRecord", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method",
-    "build_model", "describe", "even", "label", "lane_summary", "launch", "lo_tx_bytes", "machine", "main", "md_table",
-    "method_name", "method_spec", "minutes", "model_arguments", "model_config", "phases", "pyplot", "rate_text",
-    "read_json", "rotated", "run_ranks", "save", "save_figure", "train_round", "training_text", "wait_for_quiet",
-    "warm_up", "write_json",
+    "BENCH_DIR", "METHODS", "OUTER_LR", "OUTER_MOMENTUM", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "TORCHFT_INSTALL",
+    "AccoMethod", "Benchmark", "Checkout", "Method", "MethodSpec", "ModelConfig", "RoundRecord", "TorchftDiLoCoMethod",
+    "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model", "describe", "even", "label",
+    "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name", "method_spec", "minutes", "model_arguments",
+    "model_config", "phases", "pyplot", "rank_batches", "rate_text", "read_json", "rotated", "run_ranks", "save",
+    "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
 ]
-
-
-# ------------------------------------------------------------------------- the registry
 
 
 @dataclass(frozen=True)
@@ -143,9 +126,6 @@ def label(name: str) -> str:
         return name
 
 
-# ------------------------------------------------------------------------------ methods
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """The GPT of ``examples/train_gpt.py`` and the optimizer settings every method uses."""
@@ -161,9 +141,6 @@ class ModelConfig:
     max_grad_norm: float | None = None
     seed: int = 1337
 
-    def gpt(self) -> GPTConfig:
-        return GPTConfig(self.n_layer, self.n_embd, self.n_head, self.seq_len)
-
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -175,7 +152,10 @@ def model_arguments(parser: argparse.ArgumentParser, defaults: ModelConfig) -> N
 
 
 def model_config(args: argparse.Namespace, **settings: Any) -> ModelConfig:
-    """The model the size options ask for, with ``settings`` (lr, seed...) for the rest."""
+    """The model the size options ask for, ``--lr`` and ``--grad-clip`` (0: off) where a
+    benchmark has them, and ``settings`` (seed...) for the rest."""
+    if "grad_clip" in vars(args):
+        settings = {"lr": args.lr, "max_grad_norm": args.grad_clip or None, **settings}
     return ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
                        batch_size=args.batch_size, **settings)
 
@@ -188,7 +168,7 @@ def describe(config: dict[str, Any], parameters: float) -> str:
 
 def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | None = None) -> GPT:
     torch.manual_seed(config.seed)  # the same initial model in every method and on every rank
-    return GPT(config.gpt()).to(device=device, dtype=dtype)
+    return GPT(GPTConfig(config.n_layer, config.n_embd, config.n_head, config.seq_len)).to(device=device, dtype=dtype)
 
 
 class UnsupportedMethod(RuntimeError):
@@ -196,14 +176,9 @@ class UnsupportedMethod(RuntimeError):
 
 
 class Method:
-    """One way of training, driven round by round by :func:`train_round`.
-
-    ``backward()`` computes one micro-batch's gradients, ``fold()`` hands them to the
-    optimizer, ``end_round()`` is the round boundary (True when the model now holds newly
-    committed parameters) and ``ready()`` says whether it would return without waiting for
-    the network. One optimizer update is ``rounds_per_update`` rounds of
-    ``micro_batches_per_round``.
-    """
+    """One way of training, driven round by round by :func:`train_round`: ``backward()`` then
+    ``fold()`` per micro-batch, ``end_round()`` at the boundary (True: newly committed
+    parameters); ``ready()``: the boundary would not wait for the network."""
 
     opt: Any = None
     rounds_per_update: int = 1
@@ -249,7 +224,7 @@ class Method:
 
     def committed_micro_batches(self, counted: int) -> float:
         """Micro-batches of every rank whose gradients are in the committed parameters."""
-        return counted * self.micro_batches_per_update * dist.get_world_size()
+        return self.committed_updates(counted) * self.micro_batches_per_update * dist.get_world_size()
 
 
 class Roofline(Method):
@@ -337,18 +312,109 @@ class AccoMethod(Method):
         return self.opt.committed_weight  # weight 1 per micro-batch, every rank
 
 
+TORCHFT_INSTALL = "pip install -e '.[bench]'"
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer SGD with Nesterov momentum (Douillard et al. 2023)
+
+
+def torchft_version() -> str | None:
+    """torchft's version if it imports here (DiLoCo runs through it), else None."""
+    # torchft's Rust side logs every quorum at INFO unless told otherwise; it reads this when
+    # the extension loads, so before the first import.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return None
+    return importlib.metadata.version("torchft")
+
+
+class TorchftDiLoCoMethod(Method):
+    """DiLoCo through ``torchft.local_sgd.DiLoCo``, each rank a replica group of one, rank 0
+    running torchft's lighthouse: the inner AdamW (an inner step is an update's micro-batches,
+    with the other methods' warm-up and clipping), synchronised every H (``diloco-hH``) steps.
+    ``end_round()`` is True only when the ranks have just synchronised, the only time they
+    hold one model; ``finish()`` puts that model back. Collective: every rank constructs it
+    and calls ``close()``.
+
+    Raises:
+        ImportError: torchft is not installed.
+    """
+
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 schedule: Callable[[int], float], timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+        if torchft_version() is None:
+            raise ImportError(f"{name}: DiLoCo runs through torchft, which does not import here ({TORCHFT_INSTALL})")
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.coordination import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+
+        super().__init__(name, config, micro_batches_per_update, model)
+        self.sync_every = int(name.removeprefix("diloco-h"))
+        self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
+        self.inner_steps = self.outer_steps = 0
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # The lighthouse (torchft's quorum server) runs on rank 0; its address reaches the
+        # others through the default group's store-backed broadcast.
+        self._lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world) if rank == 0 else None
+        address = [self._lighthouse.address() if self._lighthouse is not None else None]
+        dist.broadcast_object_list(address, src=0)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # use_async_quorum=False: DiLoCo requires it. init_sync=False: every rank built the same
+        # model from the same seed; with init_sync, the first quorum would make one replica
+        # fetch the other's state over HTTP mid-run.
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, replica_id=f"rank{rank}", rank=0,
+            load_state_dict=lambda state: model.load_state_dict(state["model"]), store_addr="127.0.0.1", world_size=1,
+            state_dict=lambda: {"model": model.state_dict()}, store_port=self._store.port, hostname="127.0.0.1",
+            lighthouse_addr=address[0], use_async_quorum=False, init_sync=False, timeout=timeout,
+            quorum_timeout=timeout, connect_timeout=timeout)
+        self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
+        self.diloco.__enter__()  # registers its hooks on the inner optimizer
+        self.synced = [p.detach().clone() for p in self._params]
+
+    def end_round(self) -> bool:
+        before = self.manager.current_step()  # counts committed synchronisations
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
+        self.inner.step()  # torchft synchronises in the inner optimizer's post-step hook
+        self.inner.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.inner_steps += 1
+        if self.manager.current_step() == before:
+            return False
+        self.outer_steps += 1
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                s.copy_(p)
+        return True
+
+    def finish(self) -> bool:
+        with torch.no_grad():
+            for s, p in zip(self.synced, self._params):
+                p.copy_(s)
+        return False
+
+    def committed_updates(self, counted: int) -> int:
+        return self.outer_steps * self.sync_every  # the inner steps merged into the synchronised model
+
+    def close(self) -> None:
+        """Leave torchft (collective: the lighthouse goes once every rank is done)."""
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+        dist.barrier()
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+
+
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
-                 diloco: str = "plain", schedule: Callable[[int], float] | None = None) -> Method:
-    """A fresh model (the same initial parameters every time) and ``name``'s optimizer.
-
-    Args:
-        dtype / device: the parameters' dtype (default fp32) and device (default CPU).
-        bucket_view: DDP's ``gradient_as_bucket_view`` (DDP methods only).
-        acco_module: the ``acco`` package to take ``AccoOptimizer`` from (another
-            checkout's, see :class:`Checkout`); default this checkout's.
-        diloco / schedule: DiLoCo's implementation (``plain`` or ``torchft``) and the inner
-            learning-rate factor per inner step (DiLoCo only).
+                 schedule: Callable[[int], float] | None = None) -> Method:
+    """A fresh model (the same initial parameters every time) and ``name``'s optimizer;
+    ``bucket_view``: DDP's ``gradient_as_bucket_view``; ``acco_module``: another checkout's
+    ``acco`` (:class:`Checkout`); ``schedule``: DiLoCo's inner lr factor per inner step.
 
     Raises:
         ValueError: an unknown name, or an odd number of micro-batches for acco's two rounds.
@@ -363,14 +429,8 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
     if spec.family == "ddp":
         return DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
     if spec.family == "diloco":
-        from diloco import DiLoCoMethod, TorchftDiLoCoMethod
-
-        cls = TorchftDiLoCoMethod if diloco == "torchft" else DiLoCoMethod
-        return cls(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
+        return TorchftDiLoCoMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
-
-
-# ----------------------------------------------------------------------- the round loop
 
 
 @dataclass
@@ -391,13 +451,9 @@ class RoundRecord:
 def train_round(method: Method, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
                 after_backward: Callable[[int], None] | None = None,
                 before_boundary: Callable[[RoundRecord], None] | None = None) -> RoundRecord:
-    """One round of ``method``: its micro-batches, then the round boundary.
-
-    A method with the ``ready()`` loop keeps computing micro-batches while the round in
-    flight has not landed (the README's loop, which ends on the same round on every rank).
-    ``after_backward(i)`` runs between micro-batch ``i``'s backward and its fold;
-    ``before_boundary`` right before ``end_round()``.
-    """
+    """One round of ``method``: its micro-batches (with the ``ready()`` loop, more while the
+    round in flight has not landed), then the boundary. ``after_backward(i)`` runs between
+    micro-batch ``i``'s backward and its fold, ``before_boundary`` before ``end_round()``."""
     record = RoundRecord()
     started = time.perf_counter()
     while len(record.losses) < method.micro_batches_per_round or (method.spec.ready_loop and not method.ready()):
@@ -429,23 +485,18 @@ def phases(seconds: dict[str, Any]) -> dict[str, Any]:
     return {PHASE_RENAMES.get(name, name): value for name, value in seconds.items()}
 
 
-def lane_summary(stats: Sequence[Any], average: Callable[[Any], float] = statistics.fmean) -> dict[str, Any]:
+def lane_summary(stats: Sequence[Any]) -> dict[str, Any]:
     """What the comm lane did in these rounds (acco's ``RoundStats``), averaged."""
     if not stats:
         return {}
-    names = dict.fromkeys(p for s in stats for p in s.phase_seconds)
+    names, mean = dict.fromkeys(p for s in stats for p in s.phase_seconds), statistics.fmean
     return {
-        "rounds": len(stats),
-        "lane_s": average([s.lane_seconds for s in stats]),
-        "wait_s": average([s.wait_seconds for s in stats]),
-        "hidden_share": average([s.hidden_share for s in stats]),
-        "phase_s": {p: average([s.phase_seconds.get(p, 0.0) for s in stats]) for p in names},
+        "rounds": len(stats), "lane_s": mean(s.lane_seconds for s in stats),
+        "wait_s": mean(s.wait_seconds for s in stats), "hidden_share": mean(s.hidden_share for s in stats),
+        "phase_s": {p: mean(s.phase_seconds.get(p, 0.0) for s in stats) for p in names},
         # CPU time of the lane's thread (checkouts from before RoundStats.phase_cpu_seconds: none)
-        "phase_cpu_s": {p: average([getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats]) for p in names},
+        "phase_cpu_s": {p: mean(getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats) for p in names},
     }
-
-
-# ----------------------------------------------------------------------- ranks and data
 
 
 def training_text(seq_len: int) -> tuple[Tensor, Tensor]:
@@ -458,6 +509,11 @@ def batches(data: Tensor, config: ModelConfig, seed: int) -> Callable[[], tuple[
     return lambda: sample_batch(data, config.batch_size, config.seq_len, generator)
 
 
+def rank_batches(config: ModelConfig, rank: int) -> Callable[[], tuple[Tensor, Tensor]]:
+    """This rank's micro-batch stream of the training text, the same in every method."""
+    return batches(training_text(config.seq_len)[0], config, config.seed + 1000 * rank)
+
+
 def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]) -> None:
     """A few backwards before the first method, so that it does not pay for the allocator's
     and the kernels' first use."""
@@ -467,15 +523,13 @@ def warm_up(config: ModelConfig, next_batch: Callable[[], tuple[Tensor, Tensor]]
 
 
 def rotated(items: Sequence[Any], shift: int) -> list[Any]:
-    """``items`` from position ``shift`` on, then the rest: repeat r runs the methods in a
-    rotated order, so that no method is always first after the warm-up."""
+    """``items`` rotated by ``shift``: no method is always the first after the warm-up."""
     shift %= max(1, len(items))
     return [*items[shift:], *items[:shift]]
 
 
 def lo_tx_bytes() -> int | None:
-    """Bytes sent on the namespace's loopback so far (every rank's traffic), or None outside
-    the benchmark's namespace (on a real cluster each node has its own counters)."""
+    """Bytes sent on the namespace's loopback so far (every rank's traffic); None outside it."""
     if "ACCO_BENCH_NETNS" not in os.environ:
         return None
     try:
@@ -492,14 +546,6 @@ def all_reduce(values: Sequence[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
-def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-            "python": platform.python_version()}
-
-
-# ------------------------------------------------------------------ other load on the host
-
-
 def cpu_busy_seconds() -> float:
     """Busy CPU seconds of the whole machine so far (every core, every process)."""
     with open("/proc/stat") as f:
@@ -507,61 +553,45 @@ def cpu_busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
-def own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class Window:
-    """A measured stretch of training, the same on every rank: its wall time, the bytes on the
-    namespace's loopback, and the CPU share other processes took meanwhile (a shared machine
-    disturbs benchmarks; this shows by how much). Collective: every rank makes, opens and
-    closes it."""
+    """A measured stretch of training, the same on every rank: its wall time, the loopback's
+    bytes and the CPU share other processes took (a shared machine disturbs benchmarks),
+    after waiting up to ``max_quiet_wait_s`` for them to use under ``threshold`` of the CPU.
+    Collective: every rank makes, opens and closes it."""
 
-    def __init__(self, max_quiet_wait_s: float = 900.0) -> None:
-        self.waited_for_quiet_s = wait_for_quiet(max_wait_s=max_quiet_wait_s)
+    def __init__(self, max_quiet_wait_s: float = 900.0, threshold: float = 0.1, sample_s: float = 0.5) -> None:
+        started, announced = time.perf_counter(), False
+        while True:
+            busy0 = cpu_busy_seconds()
+            time.sleep(sample_s)
+            (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
+            self.waited_for_quiet_s = time.perf_counter() - started
+            if share < threshold or self.waited_for_quiet_s > max_quiet_wait_s:
+                break
+            if not announced and dist.get_rank() == 0:
+                print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
+                announced = True
+        if share >= threshold:
+            print(f"the machine is still {share:.0%} busy after {self.waited_for_quiet_s:.0f} s: measuring anyway",
+                  flush=True)
         dist.barrier()
 
     def open(self) -> None:
-        self._busy, self._own, self._bytes = cpu_busy_seconds(), own_cpu_seconds(), lo_tx_bytes()
+        self._busy, self._own, self._bytes = cpu_busy_seconds(), time.process_time(), lo_tx_bytes()
         self._wall = time.perf_counter()
 
     def close(self) -> dict[str, Any]:
         wall, sent = time.perf_counter() - self._wall, lo_tx_bytes()
         busy = cpu_busy_seconds() - self._busy
-        (own,) = all_reduce([own_cpu_seconds() - self._own])
+        (own,) = all_reduce([time.process_time() - self._own])  # every thread of this rank
         share = max(0.0, busy - own) / (wall * (os.cpu_count() or 1)) if dist.get_rank() == 0 else 0.0
         return {"wall_s": wall, "lo_bytes": None if sent is None or self._bytes is None else sent - self._bytes,
                 "foreign_cpu_share": all_reduce([share])[0], "waited_for_quiet_s": self.waited_for_quiet_s}
 
 
-def wait_for_quiet(threshold: float = 0.1, sample_s: float = 0.5, max_wait_s: float = 900.0) -> float:
-    """Wait (collectively) until the other processes use less than ``threshold`` of the
-    machine's CPU while the ranks sleep; returns the seconds waited (gives up after
-    ``max_wait_s``, and says so)."""
-    started, announced = time.perf_counter(), False
-    while True:
-        busy0 = cpu_busy_seconds()
-        time.sleep(sample_s)
-        (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
-        waited = time.perf_counter() - started
-        if share < threshold or waited > max_wait_s:
-            if share >= threshold:
-                print(f"the machine is still {share:.0%} busy after {waited:.0f} s: measuring anyway", flush=True)
-            return waited
-        if not announced and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"other processes use {share:.0%} of the CPU: waiting for a quiet machine", flush=True)
-            announced = True
-
-
-# ------------------------------------------------------------------- another checkout
-
-
 class Checkout:
-    """The ``acco`` package of another checkout of this repository, imported beside this
-    one's, so that both run interleaved in one process, on the same process group, data and
-    machine state (an A/B measurement). Its modules sit in ``sys.modules`` only inside
-    :meth:`active`, so imports made while it runs find its own modules, not this one's.
+    """The ``acco`` package of another checkout, imported beside this one's for an A/B in one
+    process; its modules sit in ``sys.modules`` only inside :meth:`active`.
 
     Raises:
         ValueError: ``root`` holds no ``acco`` package.
@@ -603,24 +633,13 @@ class Checkout:
             return importlib.import_module(name)
 
 
-# -------------------------------------------------------------------------- entry point
-
-
 @dataclass(frozen=True)
 class Benchmark:
-    """One benchmark's arguments, what each rank of one launch does, and the driver's sweep.
-
-    Attributes:
-        name: results go to ``results/NAME.json`` (``--quick``: ``results/scratch/``), or
-            to ``results/`` + ``stem`` formatted with the arguments (``"profile-{ranks}ranks"``).
-        doc: the module docstring; its first paragraph is the ``--help`` description.
-        arguments: adds the benchmark's own options to the parser.
-        rank: one launch's work, on every rank; rank 0's return value is its JSON.
-        sweep: the driver: launches ranks with :func:`run_ranks`, returns the results
-            (it may :func:`save` them as it goes, so a long sweep keeps what it has);
-            default: one launch of ``args.ranks`` ranks under plain ``torchrun``.
-        quick: what ``--quick`` (a smoke run of a few minutes) changes in the arguments.
-        check: returns what is wrong with the parsed arguments, or None.
+    """One benchmark: ``arguments`` adds its options; ``rank`` is one launch's work on every
+    rank (rank 0's return value is its JSON); ``sweep``, the driver, launches ranks with
+    :func:`run_ranks` (default: one launch of ``args.ranks``); ``quick``: the arguments
+    ``--quick`` sets; ``check``: what is wrong with the arguments, or None. Results go to
+    ``results/NAME.json``, or ``stem`` formatted with the arguments (``profile-{ranks}ranks``).
     """
 
     name: str
@@ -628,7 +647,7 @@ class Benchmark:
     arguments: Callable[[argparse.ArgumentParser], None]
     rank: Callable[[argparse.Namespace, Dist], dict[str, Any]]
     sweep: Callable[[argparse.Namespace], dict[str, Any]] | None = None
-    quick: Callable[[argparse.Namespace], None] = lambda args: None
+    quick: dict[str, Any] = field(default_factory=dict)
     check: Callable[[argparse.Namespace], str | None] = lambda args: None
     stem: str = ""
 
@@ -636,8 +655,7 @@ class Benchmark:
         parser = argparse.ArgumentParser(description=self.doc.split("\n\n")[0])
         self.arguments(parser)
         add = parser.add_argument
-        stem = self.stem or self.name
-        add("--out", type=Path, default=None, help=f"JSON output (default: benchmarks/results/{stem}.json)")
+        add("--out", type=Path, default=None, help=f"JSON output (default: results/{self.stem or self.name}.json)")
         add("--no-report", action="store_true", help="do not regenerate the README tables and plots")
         add("--quick", action="store_true", help="a short smoke run, into results/scratch/ (no report)")
         add("--label", default=None, help=argparse.SUPPRESS)  # names a rank launch in its output
@@ -646,8 +664,7 @@ class Benchmark:
         args.script = Path(sys.modules[self.rank.__module__].__file__).resolve()
         args.benchmark = self.name
         if args.quick:
-            self.quick(args)
-            args.no_report = True
+            vars(args).update(self.quick, no_report=True)
         args.stem = (self.stem or self.name).format(**vars(args))
         if args.out is None and "RANK" not in os.environ:
             args.out = (SCRATCH_DIR if args.quick else RESULTS_DIR) / f"{args.stem}.json"
@@ -679,40 +696,36 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
         report.main([])
 
 
-def launch(nproc: int, script_and_args: Sequence[str], rate: str | None = None, netns: bool = True) -> None:
-    """Run a rank entry point on ``nproc`` local ranks: inside a namespace whose loopback
-    is limited to ``rate`` (``netns``), or under plain ``torchrun --standalone``."""
-    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
-    if netns:
-        from netns import run_ranks as run_in_namespace
-
-        code = run_in_namespace(nproc, script_and_args, rate, env=env)
-    else:
-        if rate is not None:
-            raise ValueError("a rate limit needs the network namespace")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   *script_and_args]
-        code = subprocess.run(command, env={**os.environ, **env}).returncode
-    if code:
-        raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
-
-
 def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | None = None,
               netns: bool = False) -> Any:
-    """Launch the benchmark's own file on ``nproc`` ranks with the driver's arguments plus
-    ``extra`` (later options win); rank 0's JSON."""
+    """Launch the benchmark's own file on ``nproc`` local ranks with the driver's arguments
+    plus ``extra`` (later options win), in a namespace whose loopback is limited to ``rate``
+    (``netns``) or under plain ``torchrun --standalone``; rank 0's JSON, with the launch's
+    ``runtime_s``."""
+    if rate is not None and not netns:
+        raise ValueError("a rate limit needs the network namespace")
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONWARNINGS": "ignore"}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
-        launch(nproc, [str(args.script), *args.argv, *extra, "--out", str(out)], rate, netns)
-        return read_json(out)
+        script_and_args = [str(args.script), *args.argv, *extra, "--out", str(out)]
+        if netns:
+            from netns import run_ranks as run_in_namespace
 
-
-# ----------------------------------------------------------------------- files, tables, plots
+            code = run_in_namespace(nproc, script_and_args, rate, env=env)
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+            code = subprocess.run([*command, *script_and_args], env={**os.environ, **env}).returncode
+        if code:
+            raise SystemExit(f"ranks failed (exit {code}): {' '.join(script_and_args)}")
+        return {**read_json(out), "runtime_s": time.perf_counter() - started}
 
 
 def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The driver's results, with the benchmark's name and the machine, to ``args.out``."""
-    write_json(args.out, {"benchmark": args.benchmark, "machine": machine(), **results})
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+               "python": platform.python_version()}
+    write_json(args.out, {"benchmark": args.benchmark, "machine": machine, **results})
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -34,10 +34,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=2)
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.sizes, args.repeats = [1.0], 3
-
-
 def collectives(load: Callable[[str], ModuleType]) -> type:
     """A checkout's ``Collectives``: in ``acco.collectives``, or ``acco.sharding`` before the package split."""
     for name in ("acco.collectives", "acco.sharding"):
@@ -85,7 +81,8 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
             "repeats": args.repeats, "sizes": results}
 
 
-BENCHMARK = common.Benchmark("compare_reduce_scatter", __doc__, arguments, rank, quick=quick)
+BENCHMARK = common.Benchmark("compare_reduce_scatter", __doc__, arguments, rank,
+                             quick={"sizes": [1.0], "repeats": 3})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

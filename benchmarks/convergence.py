@@ -4,12 +4,6 @@ the synchronous update taken from the same parameters and data (:class:`UpdateDi
 
     python benchmarks/convergence.py                 # 2 ranks, plain torchrun (no root needed)
     python benchmarks/convergence.py --quick         # 20 updates: a smoke run, into results/scratch/
-
-Every method sees exactly the same micro-batches (each rank its own stream, the same in
-every method), the example's recipe (AdamW, clipping, linear warm-up then cosine, stepped
-once per committed update) and the same number of updates and micro-batches per update,
-so the curves compare equal samples; the final eval loss is taken on the committed
-parameters.
 """
 
 from __future__ import annotations
@@ -32,9 +26,10 @@ from torch import Tensor
 
 from acco import RoundKind
 
-__all__ = ["BENCHMARK", "UpdateDifference", "blocks", "runtimes", "targets"]
+__all__ = ["BENCHMARK", "UpdateDifference", "blocks", "targets"]
 
 METHODS = ("acco-sync", "acco", "acco-dpu", "ddp-zero1", "acco-bf16", "acco-fp8")
+QUICK = {"updates": 20, "warmup": 4, "eval_every": 10, "eval_batches": 4, "diff_every": 5}
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,27 +51,11 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # a rank launch trains this one
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.updates, args.warmup, args.eval_every, args.eval_batches, args.diff_every = 20, 4, 10, 4, 5
-
-
-def model_config(args: argparse.Namespace) -> common.ModelConfig:
-    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=args.seed)
-
-
-# ------------------------------------------------------------------- the update difference
-
-
 class UpdateDifference:
-    """How far acco's (or dpu's) updates are from the synchronous update from the same place.
-
-    Every ``every`` updates it waits for the comm lane to be idle and keeps this rank's
-    master shard and AdamW state (theta, S) from just before an update starts, and the
-    micro-batches that update uses. Once the update has landed (``u``: the new shard minus
-    theta) it replays the synchronous update: the same micro-batches' gradients all taken at
-    theta, averaged over ranks, clipped, one AdamW step from S (``u_sync``), and records
-    ``||u - u_sync|| / (||u|| + ||u_sync||)`` over all shards. Waiting for the lane changes
-    the timing, not the arithmetic; in ``sync`` mode it is a control.
+    """``||u - u_sync|| / (||u|| + ||u_sync||)`` every ``every`` updates: acco's (or dpu's)
+    update against the synchronous one replayed from the same shard, AdamW state and
+    micro-batches (benchmarks/README.md, "The update difference"). Waiting for the lane
+    changes the timing, not the arithmetic; in ``sync`` mode it is a control.
     """
 
     def __init__(self, method: common.AccoMethod, every: int, total: int) -> None:
@@ -181,13 +160,10 @@ class UpdateDifference:
         return [f[rank * plan.chunk : (rank + 1) * plan.chunk].clone() for f, plan in zip(flats, self.opt.shard_plans)]
 
 
-# ------------------------------------------------------------------------------- training
-
-
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     if args.method is None:
         raise SystemExit("a rank launch needs --method")
-    config = model_config(args)
+    config = common.model_config(args, seed=args.seed)
     train_data, held_out = common.training_text(config.seq_len)
     next_batch = common.batches(train_data, config, config.seed + ctx.rank)  # the example's per-rank streams
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, config.seed,
@@ -238,7 +214,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    config = model_config(args)
+    config = common.model_config(args, seed=args.seed)
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "ranks": args.ranks, "updates": args.updates,
                    "micro_batches_per_update": args.micro_batches, "warmup": args.warmup,
@@ -248,9 +224,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in args.methods:
         print(f"convergence: {name}", flush=True)
-        started = time.perf_counter()
         run = results["methods"][name] = common.run_ranks(args, args.ranks, "--method", name)
-        run["runtime_s"] = time.perf_counter() - started
         diff = run.get("update_difference", {}).get("mean")
         print(f"  final eval loss {run['final_eval_loss']:.4f} ({run['runtime_s']:.0f} s)"
               + (f", update difference {diff:.3f}" if diff is not None else ""), flush=True)
@@ -259,9 +233,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         if sync:
             run["gap_vs_sync"] = (run["final_eval_loss"] - sync) / sync
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def table(data: dict[str, Any]) -> str:
@@ -321,15 +292,13 @@ def plot(data: dict[str, Any], path: Path) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    out = {"convergence-runs": runs_table(results)}
-    if "convergence" in results:
-        data = results["convergence"]
-        out["convergence"] = table(data) + f"\n\n![convergence](results/{plot(data, figures / 'convergence.png')})"
-    return out
+    data = results["convergence"]
+    return {"convergence-runs": runs_table(results),
+            "convergence": table(data) + f"\n\n![convergence](results/{plot(data, figures / 'convergence.png')})"}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    methods = results.get("convergence", {}).get("methods", {})
+    methods = results["convergence"]["methods"]
     if "acco" not in methods or "acco-sync" not in methods:
         return []
     rows: list[tuple[str, str, bool | None]] = []
@@ -351,11 +320,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    return [("convergence", results["convergence"]["runtime_s"])] if "convergence" in results else []
-
-
-BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick)
+BENCHMARK = common.Benchmark("convergence", __doc__, arguments, rank, sweep, quick=QUICK)
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

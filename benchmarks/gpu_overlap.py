@@ -4,20 +4,7 @@
     python benchmarks/gpu_overlap.py --world-sizes 1 --rounds 10
     python benchmarks/gpu_overlap.py --quick --device cpu   # a smoke run of the code path, no GPU needed
 
-Every world size runs under torchrun with gloo (world size 2: two ranks on the same GPU,
-CUDA tensors staged through pinned host memory, the way ranks talk over plain TCP). For
-sync, dpu and acco (fixed loop) and acco's ``ready()`` loop, on the example's GPT (6
-layers, width 512) with AdamW and clipping at 1.0:
-
-- ``step()``'s wall time on the training thread while a round is in flight (median, max);
-- the hidden share in GPU time (``RoundStats.hidden_share`` from the lane's CUDA events);
-- samples/s against the same loop with no optimizer at all (forward and backward only);
-- ``torch.cuda.max_memory_allocated()`` per rank.
-
-Then a few acco rounds under ``torch.profiler`` (rank 0): a chrome trace in
-``results/gpu_overlap-trace-ws{N}.json.gz`` (open it in Perfetto) and, from it, each
-stream's kernel time and how much of the other streams' work ran while the compute stream
-was busy. Results: ``results/gpu_overlap.json``.
+World size 2 is two ranks on the same GPU, over gloo; what it measures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -56,20 +43,10 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the same code path")
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.world_sizes, args.rounds, args.micro_batches = [1], 3, 2
-
-
 def check(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         return "no CUDA GPU here (--device cpu runs the same code path on the CPU)"
     return None
-
-
-def device_batches(config: common.ModelConfig, seed: int, device: torch.device) -> Any:
-    """Cycles through 8 micro-batches already on the device: no host copy in the loop."""
-    next_batch = common.batches(common.training_text(config.seq_len)[0], config, seed)
-    return itertools.cycle([tuple(t.to(device) for t in next_batch()) for _ in range(8)]).__next__
 
 
 def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
@@ -77,7 +54,9 @@ def run_method(name: str, rounds: int, args: argparse.Namespace, ctx: Dist,
     config = QUICK_CONFIG if args.quick else CONFIG
     rounds_per_update = 2 if common.method_spec(name).mode == "acco" else 1  # --micro-batches per round in every mode
     method = common.build_method(name, config, args.micro_batches * rounds_per_update, device=ctx.device)
-    next_batch = device_batches(config, 1000 + ctx.rank, ctx.device)
+    stream = common.batches(common.training_text(config.seq_len)[0], config, 1000 + ctx.rank)
+    # 8 micro-batches already on the device, cycled: no host copy in the loop
+    next_batch = itertools.cycle([tuple(t.to(ctx.device) for t in stream()) for _ in range(8)]).__next__
     cuda = ctx.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(ctx.device)) if cuda else (lambda: None)
     for _ in range(3):  # warm-up: kernels, the lane thread, optimizer state
@@ -158,7 +137,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     runs = [common.run_ranks(args, world_size, "--label", f"ws{world_size}") for world_size in args.world_sizes]
     print(table(runs))
-    return {"benchmark": "gpu_overlap", "runs": runs}
+    return {"runs": runs}
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -206,10 +185,11 @@ def section(data: dict[str, Any]) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    return {"gpu": section(results["gpu_overlap"])} if "gpu_overlap" in results else {}
+    return {"gpu": section(results["gpu_overlap"])}
 
 
-BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("gpu_overlap", __doc__, arguments, rank, sweep, check=check,
+                             quick={"world_sizes": [1], "rounds": 3, "micro_batches": 2})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

@@ -4,13 +4,7 @@ tensor bytes by kind (at rest and at the end of a backward) and as peak resident
     python benchmarks/memory.py            # 2 and 4 ranks, fp32 and bf16, plain torchrun
     python benchmarks/memory.py --quick    # 2 ranks, fp32: a smoke run, into results/scratch/
 
-Each method trains in fresh processes: ``--warmup`` updates (so every lazily allocated
-buffer exists), then ``--updates`` measured updates. Tensors are counted by :func:`account`;
-the peak resident memory is ``VmHWM`` over the measured updates minus what was resident
-before the model was built, minus the parameters, with ``MALLOC_MMAP_THRESHOLD_=65536`` so
-that a freed tensor leaves the resident set at once (benchmarks/README.md, "Memory"). The
-model is the example's GPT at about 25M parameters with short micro-batches, so that the
-buffers, not the activations, dominate.
+Each method trains in fresh processes; what is counted: benchmarks/README.md, "Memory".
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["BENCHMARK", "account", "blocks", "runtimes", "targets"]
+__all__ = ["BENCHMARK", "account", "blocks", "targets"]
 
 METHODS = ("ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,10 +49,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--merge", action="store_true", help="replace the matching runs of --out, keep the others")
     add("--method", default=None, choices=METHODS, help=argparse.SUPPRESS)  # set by the driver for its rank launches
     add("--dtype", default="fp32", choices=list(DTYPES), help=argparse.SUPPRESS)
-
-
-def quick(args: argparse.Namespace) -> None:
-    args.ranks, args.dtypes = [2], ["fp32"]
 
 
 def proc_status_bytes(field: str) -> int:
@@ -110,8 +100,7 @@ def base_optimizers(method: common.Method) -> list[torch.optim.Optimizer]:
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = MEMORY_MODEL
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     gc.collect()
     rss_before_model = proc_status_bytes("VmRSS")
     result = measure(common.build_method(args.method, config, args.micro_batches, dtype=DTYPES[args.dtype],
@@ -177,9 +166,6 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         runs.sort(key=lambda r: order.get((r["method"], r["dtype"], r["ranks"]), 1 << 30))
         results = {**previous, "runs": runs}
     return results
-
-
-# ------------------------------------------------------------------------------------ tables
 
 
 def worst(run: dict[str, Any]) -> dict[str, Any]:
@@ -278,17 +264,12 @@ def summary(data: dict[str, Any], baseline: dict[str, Any] | None) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    data = results.get("memory")
-    if data is None:
-        return {}
-    return {"memory": table(data, results.get("memory-baseline")),
-            "memory-summary": summary(data, results.get("memory-baseline"))}
+    return {"memory": table(results["memory"], results.get("memory-baseline")),
+            "memory-summary": summary(results["memory"], results.get("memory-baseline"))}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    data = results.get("memory")
-    if data is None:
-        return []
+    data = results["memory"]
     rows: list[tuple[str, str, bool | None]] = [
         (f"{ranks} ranks, {dtype}: {common.label(method)} peak per rank <= ZeRO-1 + {t['target']:.2f} model sizes "
          "(tensors at the end of a backward / peak RSS)", f"{t['tensors']:+.2f} / {t['rss']:+.2f}", t["met"])
@@ -303,11 +284,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
-def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    return [("memory", results["memory"]["runtime_s"])] if "memory" in results else []
-
-
-BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick)
+BENCHMARK = common.Benchmark("memory", __doc__, arguments, rank, sweep, quick={"ranks": [2], "dtypes": ["fp32"]})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

@@ -1,11 +1,6 @@
-"""Run N ranks on this machine behind a rate-limited network.
-
-A fresh network namespace whose loopback carries a token-bucket filter (``tc qdisc ... tbf``)
-stands in for a slow cluster network: every rank talks to the others on 127.0.0.1, so every
-byte of every collective crosses the limited link, shared by all ranks. The namespace is
-always removed afterwards (also on Ctrl-C, SIGTERM or a failing command). Needs root (or
-CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; what the link is and is not:
-benchmarks/README.md, "A slow cluster on one machine".
+"""Run N ranks on this machine behind a rate-limited network: a fresh network namespace
+whose loopback carries a token-bucket filter, always removed afterwards. Needs root and
+iproute2; what the link is and is not: benchmarks/README.md, "A slow cluster on one machine".
 
     sudo $(which python) benchmarks/netns.py --nproc 2 --rate 200mbit -- examples/train_gpt.py
     sudo $(which python) benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
@@ -23,10 +18,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-__all__ = ["NetnsError", "check_requirements", "namespace", "run_ranks", "torchrun_command"]
+__all__ = ["NetnsError", "check_requirements", "namespace", "run_ranks"]
 
-DEFAULT_BURST = "256kb"
-DEFAULT_LATENCY = "50ms"
+DEFAULT_BURST = "256kb"  # at least one 64 KiB loopback packet
+DEFAULT_LATENCY = "50ms"  # how long a packet may wait in the queue before it is dropped
 MASTER_PORT = 29500  # a fresh namespace has every port free
 
 
@@ -36,18 +31,14 @@ class NetnsError(RuntimeError):
 
 def check_requirements() -> None:
     """Raise NetnsError with what is missing, before anything is created."""
+    without = "or run the benchmark under plain torchrun (no rate limit)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise NetnsError(
-            f"{' and '.join(missing)} not found: the rate-limited network needs iproute2 "
-            "(Debian/Ubuntu: apt-get install iproute2). Without it, run the benchmark under plain torchrun "
-            "(no rate limit)."
-        )
+        raise NetnsError(f"{' and '.join(missing)} not found: the rate-limited network needs iproute2 "
+                         f"(Debian/Ubuntu: apt-get install iproute2), {without}")
     if hasattr(os, "geteuid") and os.geteuid() != 0:
-        raise NetnsError(
-            "the rate-limited network needs root (network namespaces and tc): run with sudo, e.g. "
-            f"`sudo {sys.executable} {' '.join(sys.argv)}`, or run the benchmark under plain torchrun (no rate limit)."
-        )
+        raise NetnsError("the rate-limited network needs root (network namespaces and tc): run with sudo, e.g. "
+                         f"`sudo {sys.executable} {' '.join(sys.argv)}`, {without}")
 
 
 def _run(command: Sequence[str]) -> None:
@@ -58,14 +49,8 @@ def _run(command: Sequence[str]) -> None:
 
 @contextmanager
 def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAULT_LATENCY) -> Iterator[str]:
-    """A network namespace with loopback up and, if ``rate`` is given, a tbf on it.
-
-    Yields the namespace's name; deletes it on exit, whatever happens.
-
-    Args:
-        rate: a tc rate (``"200mbit"``, ``"25mbps"``...), or None for no limit.
-        burst: the token bucket's size (at least one 64 KiB loopback packet).
-        latency: how long a packet may wait in the queue before it is dropped.
+    """A network namespace with loopback up and, if ``rate`` (a tc rate: ``"200mbit"``) is
+    given, a tbf on it; yields its name and deletes it on exit, whatever happens.
 
     Raises:
         NetnsError: not root, iproute2 missing, or a command failed (the message says which).
@@ -83,27 +68,21 @@ def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAU
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def torchrun_command(nproc: int, script_and_args: Sequence[str], port: int = MASTER_PORT) -> list[str]:
-    """``torchrun`` for ``nproc`` ranks on one node, all on 127.0.0.1 (the namespace's loopback)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), *script_and_args]
-
-
 def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = None, *, burst: str = DEFAULT_BURST,
-              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None, timeout: float | None = None) -> int:
-    """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace.
-
-    Returns torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the namespace's name)
-    and ``ACCO_BENCH_RATE`` in their environment; gloo is pinned to the loopback device.
-    """
+              latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None) -> int:
+    """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace,
+    every rank on 127.0.0.1; torchrun's exit status. The ranks see ``ACCO_BENCH_NETNS`` (the
+    namespace's name) and ``ACCO_BENCH_RATE`` in their environment."""
     with namespace(rate, burst, latency) as name:
         # GLOO_SOCKET_IFNAME: the host name does not resolve to an address in the namespace.
         child_env = {**os.environ, **(env or {}), "ACCO_BENCH_NETNS": name, "ACCO_BENCH_RATE": rate or "unlimited",
                      "GLOO_SOCKET_IFNAME": "lo"}
-        command = ["ip", "netns", "exec", name, *torchrun_command(nproc, script_and_args)]
+        command = ["ip", "netns", "exec", name, sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(MASTER_PORT),
+                   *script_and_args]
         process = subprocess.Popen(command, env=child_env, start_new_session=True)
         try:
-            return process.wait(timeout=timeout)
+            return process.wait()
         except BaseException:
             _stop(process)
             raise
@@ -123,14 +102,6 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
-def _raise_on_sigterm() -> None:
-    # SIGTERM becomes an exception, so the `finally` that deletes the namespace runs.
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
@@ -142,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the script to run after --")
-    _raise_on_sigterm()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # an exception: the namespace's `finally` runs
     try:
         return run_ranks(args.nproc, command, args.rate, burst=args.burst, latency=args.latency)
     except NetnsError as error:

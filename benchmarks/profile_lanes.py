@@ -5,12 +5,7 @@
     sudo $(which python) benchmarks/profile_lanes.py --trace acco     # + a torch.profiler trace in results/
     sudo $(which python) benchmarks/profile_lanes.py --quick          # unlimited only, 4 rounds, results/scratch/
 
-For every method, a few rounds in throughput.py's timed window, and rank 0's view of them:
-the CPU time and run-queue wait of each kind of thread (``throughput.thread_times``), and
-per phase of acco's comm lane its wall time next to the lane thread's CPU time
-(``RoundStats.phase_seconds`` and ``phase_cpu_seconds``: a phase that waits on the network
-costs wall time, not CPU). Then, alone on one thread, the CPU cost of each piece of work a
-round adds.
+Rounds in throughput.py's timed window as rank 0 sees them, then the CPU cost of each piece of a round, alone.
 """
 
 from __future__ import annotations
@@ -46,14 +41,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", default=None, choices=PROFILE_METHODS, help="also write a torch.profiler trace of this method")
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.rate, args.rounds = args.rate or ["unlimited"], 4
-
-
 def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]:
-    """Single-thread CPU milliseconds of the pieces of work a round puts on a rank, timed
-    alone (this rank only, the others wait): what each would cost the compute lane when
-    no core is free. Sizes are those of the model's flat buffers and shards."""
+    """Single-thread CPU ms of each piece of work a round puts on a rank, at the model's buffer
+    sizes, timed alone: what each costs the compute lane when no core is free."""
     numel = sum(p.numel() for p in common.build_model(config).parameters())
     chunk = -(-numel // world_size)
     full, other, shard = torch.randn(chunk * world_size), torch.randn(chunk * world_size), torch.randn(chunk)
@@ -95,8 +85,7 @@ def piece_costs(config: common.ModelConfig, world_size: int) -> dict[str, float]
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = common.ModelConfig()
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     common.warm_up(config, next_batch)
     results = {}
     for name in args.methods:
@@ -118,13 +107,12 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     if args.rate is None:
         rates: list[tuple[str, str | None]] = [("unlimited", None)]
         calibrated = common.RESULTS_DIR / "throughput.json"
-        if calibrated.exists():
+        if calibrated.exists() and not args.quick:  # --quick: unlimited only
             targets = common.read_json(calibrated)["calibration"].get(str(args.ranks), {}).get("targets", {})
             rates += [(name, t["rate"]) for name, t in targets.items()]
     else:
         rates = [(r, None if r == "unlimited" else r) for r in args.rate]
-    results = {"benchmark": "profile", "ranks": args.ranks, "micro_batches_per_update": args.micro_batches,
-               "profiles": []}
+    results = {"ranks": args.ranks, "micro_batches_per_update": args.micro_batches, "profiles": []}
     for name, rate in rates:
         profile = common.run_ranks(args, args.ranks, "--label", name, rate=rate, netns=True)
         results["profiles"].append({**profile, "label": name})
@@ -166,7 +154,8 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
             for s in ("profile-2ranks", "profile-4ranks") if s in results]
 
 
-BENCHMARK = common.Benchmark("profile", __doc__, arguments, rank, sweep, quick, stem="profile-{ranks}ranks")
+BENCHMARK = common.Benchmark("profile", __doc__, arguments, rank, sweep, quick={"rounds": 4},
+                             stem="profile-{ranks}ranks")
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

@@ -1,13 +1,9 @@
-"""Puts the benchmarks' tables and plots into the READMEs; every table and plot belongs to
-its benchmark's module (``blocks()``, ``targets()``, ``runtimes()``), this only assembles.
+"""Puts the benchmarks' tables and plots (each module's ``blocks()``, ``targets()`` and
+``runtimes()``, from its ``results/NAME.json`` and ``results/NAME-*.json``) between
+``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in the READMEs.
 
     python benchmarks/report.py                                   # results/ -> the READMEs
     python benchmarks/report.py --results benchmarks/results/scratch --print   # a smoke run's, printed
-
-Reads each benchmark's ``results/NAME.json`` and ``results/NAME-*.json`` (whichever exist),
-writes the plots next to them, and replaces the blocks between
-``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in
-benchmarks/README.md and the repository README. Nothing in those blocks is typed by hand.
 """
 
 from __future__ import annotations
@@ -33,31 +29,8 @@ from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 __all__ = ["main"]
 
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md")
-# Each benchmark's module and the stem of its results files, in the order of the runtimes table.
-BENCHMARKS: tuple[tuple[ModuleType, str], ...] = (
-    (throughput, "throughput"), (convergence, "convergence"), (memory, "memory"), (time_to_loss, "time_to_loss"),
-    (profile_lanes, "profile"), (gpu_overlap, "gpu_overlap"),
-)
-
-
-def load(results_dir: Path, stem: str) -> dict[str, Any]:
-    """``STEM.json`` and every ``STEM-NAME.json``, by file stem, ``STEM`` first."""
-    paths = [results_dir / f"{stem}.json"] + sorted(results_dir.glob(f"{stem}-*.json"))
-    return {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
-
-
-def targets_table(rows: Sequence[tuple[str, str, bool | None]]) -> str:
-    return md_table(["target", "measured", ""],
-                    [[t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in rows])
-
-
-def replace_block(text: str, name: str, body: str) -> str | None:
-    """``text`` with block ``name``'s body replaced; None if it has no such block."""
-    marker = re.escape(name)
-    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
-    if not pattern.search(text):
-        return None
-    return pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text)
+# In the order of the runtimes table; results files are named after each one's Benchmark.
+BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap)
 
 
 def generate(results_dir: Path) -> dict[str, str]:
@@ -65,15 +38,20 @@ def generate(results_dir: Path) -> dict[str, str]:
     blocks: dict[str, str] = {}
     target_rows: list[tuple[str, str, bool | None]] = []
     runtime_rows: list[tuple[str, float]] = []
-    for module, stem in BENCHMARKS:
-        results = load(results_dir, stem)
-        if not results:
-            continue
+    for module in BENCHMARKS:
+        stem = module.BENCHMARK.name  # STEM.json first, then every STEM-NAME.json, by file stem
+        paths = [results_dir / f"{stem}.json"] + sorted(results_dir.glob(f"{stem}-*.json"))
+        results: dict[str, Any] = {p.stem: json.loads(p.read_text()) for p in paths if p.is_file()}
+        if stem not in results and not module.BENCHMARK.stem:
+            continue  # the module reads its main results file (one whose files are named by ``stem`` has none)
         blocks.update(module.blocks(results, results_dir))
         target_rows += getattr(module, "targets", lambda r: [])(results)
-        runtime_rows += getattr(module, "runtimes", lambda r: [])(results)
+        # by default, the main results file's runtime
+        default = [(stem, results[stem]["runtime_s"])] if "runtime_s" in results.get(stem, {}) else []
+        runtime_rows += module.runtimes(results) if hasattr(module, "runtimes") else default
     if target_rows:
-        blocks["targets"] = targets_table(target_rows)
+        blocks["targets"] = md_table(["target", "measured", ""], [
+            [t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in target_rows])
     if runtime_rows:
         blocks["runtimes"] = md_table(["benchmark", "runtime (this machine, 2 cores)"],
                                       [[name, minutes(seconds)] for name, seconds in runtime_rows])
@@ -92,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     texts = {path: path.read_text() for path in READMES}
     for name, body in blocks.items():
-        placed = False
-        for path, text in texts.items():
-            replaced = replace_block(text, name, body)
-            if replaced is not None:
-                texts[path], placed = replaced, True
+        marker = re.escape(name)
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
+        placed = [path for path, text in texts.items() if pattern.search(text)]
+        for path in placed:
+            texts[path] = pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), texts[path])
         if not placed:
             print(f"report: no block {name!r} in the READMEs; skipped", file=sys.stderr)
     for path, text in texts.items():

@@ -6,18 +6,7 @@ roofline, at equal micro-batches per optimizer update, behind a rate-limited net
     sudo $(which python) benchmarks/throughput.py --quick --rates unlimited --baseline /tmp/acco-352a168
     torchrun --nnodes=2 --nproc-per-node=1 ... benchmarks/throughput.py --out throughput-cluster.json
 
-After ``--warmup-updates`` the clock runs, between two barriers, from one round boundary to
-the one ``--updates`` later (steady state: a pipeline's fill and drain happen once per
-training run). Methods run one after another in one process group, in a rotated order,
-``--repeats`` times; tables give medians of samples/s and of the ratios taken within a
-repeat. ``comm~compute`` is the tbf rate at which one acco round of communication, measured
-alone, takes as long as one acco round of compute; ``comm~3x`` three times as long; the
-driver finds both by measuring (benchmarks/README.md, "Throughput").
-
-``--baseline PATH`` runs every method twice per repeat, with this checkout's acco and with
-PATH's (another checkout, e.g. a ``git worktree`` of an older commit), interleaved, and
-prints both medians and their ratio per method. The methods without acco run the same code
-twice: their ratios show the noise.
+The window, the calibrated rates and the A/B: benchmarks/README.md, "Throughput".
 """
 
 from __future__ import annotations
@@ -65,12 +54,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--skip-compute", action="store_true", help=argparse.SUPPRESS)
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.ranks, args.updates, args.repeats = [2], 2, args.repeats or 1
-
-
 def check(args: argparse.Namespace) -> str | None:
-    args.repeats = args.repeats or 3
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.baseline is not None:  # an A/B run is printed, not a README figure
         args.no_report = True
         if "--out" not in args.argv:
@@ -82,18 +67,11 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------ rank side
-
-
 def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, rounds: int,
                trace: Path | None = None) -> dict[str, Any]:
-    """Warm-up, then ``rounds`` rounds in a window that opens and closes with a barrier at two
-    round boundaries (steady state: a pipeline's fill and drain happen once per training run).
-
-    Every rank's figures (samples/s over the slowest window), and rank 0's view of where the
-    time went, per round (profile_lanes.py's table): its micro-batches' and boundaries' wall
-    and CPU time, its threads' CPU time and run-queue waits; ``trace``: a torch.profiler trace.
-    """
+    """Warm-up, then ``rounds`` rounds in a window between barriers at two round boundaries:
+    samples/s over the slowest rank's window, and rank 0's view of where the time went per
+    round (profile_lanes.py's table); ``trace``: a torch.profiler trace."""
     window = common.Window()
     for _ in range(warmup_rounds):
         common.train_round(method, next_batch)
@@ -138,12 +116,8 @@ def run_method(method: common.Method, next_batch: Any, warmup_rounds: int, round
 
 
 def thread_times() -> dict[str, tuple[float, float]]:
-    """This process's threads by kind (the compute lane, acco's comm lane, gloo's I/O threads,
-    others): CPU seconds and seconds spent runnable but waiting for a core (the scheduler's
-    run-queue delay, ``/proc/self/task/*/schedstat``). On a CPU, whether communication hides
-    behind compute comes down to whether a core is free for it: when the ranks' compute
-    threads fill every core, each CPU-second the comm lane (or the kernel's loopback TCP,
-    accounted to the sending and receiving threads) spends is one the compute lane waits."""
+    """This process's threads by kind: CPU seconds, and seconds runnable but waiting for a core
+    (``/proc/self/task/*/schedstat``): with no free core, the comm lane's CPU is compute's wait."""
     lane = {t.native_id for t in threading.enumerate() if t.name == "acco-comm-lane"}
     out: dict[str, tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):
@@ -198,8 +172,7 @@ def calibrate(args: argparse.Namespace, config: common.ModelConfig, next_batch: 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     config = common.model_config(args)
-    train_data, _ = common.training_text(config.seq_len)
-    next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)
+    next_batch = common.rank_batches(config, ctx.rank)
     if args.calibrate:
         return calibrate(args, config, next_batch)
     common.warm_up(config, next_batch)
@@ -261,19 +234,13 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"repeats": len(next(iter(runs.values()))), "methods": methods}
 
 
-# ---------------------------------------------------------------------------- driver side
-
-
 def bits(rate: float) -> str:
     return f"{int(rate)}bit"
 
 
 def calibrate_rates(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
-    """Find the tbf rates at which acco's communication per round is 1x and 3x its compute.
-
-    The comm time is modelled as ``t(rate) = t_unlimited + bytes / rate`` and the rate
-    refined by measuring until it is within 10% of the target.
-    """
+    """The tbf rates at which acco's communication per round is 1x and 3x its compute: comm
+    time modelled as ``t_unlimited + bytes / rate``, refined by measuring until within 10%."""
     base = common.run_ranks(args, ranks, "--calibrate", "--label", f"calibrate {ranks} ranks", netns=True)
     compute, fixed = base["compute_s_per_round"], base["comm_s_per_round"]
     print(f"calibration, {ranks} ranks: compute {compute:.3f} s per acco round; comm unlimited {fixed:.3f} s, "
@@ -313,18 +280,14 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.rates:
             rate = None if name == "unlimited" else calibration["targets"][name]["rate"]
             print(f"throughput: {ranks} ranks, {name} ({rate or 'no limit'})", flush=True)
-            run_started = time.perf_counter()
             run = common.run_ranks(args, ranks, "--label", f"{ranks} ranks {name}", rate=rate, netns=True)
-            run.update(label=name, rate=rate or "unlimited", runtime_s=time.perf_counter() - run_started)
+            run.update(label=name, rate=rate or "unlimited")
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
             common.save(args, results)  # after every run, so a long sweep keeps what it has
             if args.baseline is not None:
                 print(baseline_table(run))
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def by_ranks(data: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -480,7 +443,8 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
                                                      for r in data["runs"])]]
 
 
-BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("throughput", __doc__, arguments, rank, sweep, check=check,
+                             quick={"ranks": [2], "updates": 2})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)

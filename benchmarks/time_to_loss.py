@@ -6,19 +6,7 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
 
-DiLoCo runs through torchft (``python -m pip install torchft==0.2.0 torch==2.13.0``) when it
-imports, otherwise through the plain implementation in ``diloco.py`` (``--diloco`` chooses).
-
-How it measures (in full: benchmarks/README.md, "Time to loss"). Every method trains the
-same initial model on the same micro-batch stream per rank with AdamW at ``--lr``, linear
-warm-up then constant (a schedule tied to a number of updates would differ between methods
-that make different numbers of updates in the same time), until its clock reaches
-``--budget``; acco's ``finish()`` then drains on the clock. Evaluation is off the clock and
-off the network: the committed parameters are copied at the first committed boundary after
-each ``--eval-every`` seconds and evaluated after the budget (evaluating with the clock
-paused would let acco's comm lane communicate for free). The target is DDP + ZeRO-1's
-final held-out loss per seed; a method's time to it is the first time its curve reaches it
-(linear between evaluations), as a fraction of the budget.
+DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -35,7 +23,6 @@ from typing import Any
 
 import throughput
 import common
-from diloco import torchft_version
 from examples.train_gpt import Dist, eval_batches, evaluate
 
 import torch
@@ -69,33 +56,22 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--grad-clip", type=float, default=1.0, help="0: off")
     common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
     add("--ranks", type=int, default=2)
-    add("--diloco", choices=["auto", "torchft", "plain"], default="auto",
-        help="DiLoCo implementation (auto: torchft if it imports, else plain)")
     add("--max-quiet-wait", type=float, default=900.0,
         help="seconds to wait, before each method, for other processes to leave the CPU")
     add("--seed", type=int, default=None, help=argparse.SUPPRESS)  # set by the driver for its rank launches
 
 
-def quick(args: argparse.Namespace) -> None:
-    args.seeds, args.budget = args.seeds[:1], 6.0
-    args.eval_every = args.eval_every or args.budget / 4
-
-
 def check(args: argparse.Namespace) -> str | None:
-    args.eval_every = args.eval_every or args.budget / 8
-    if args.diloco == "auto":
-        args.diloco = "torchft" if torchft_version() is not None else "plain"
+    args.eval_every = args.eval_every or args.budget / (4 if args.quick else 8)
+    args.seeds = args.seeds[:1] if args.quick else args.seeds
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
     if args.rates is not None and len(args.rates) > len(RATE_LABELS):
         return f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})"
-    if args.diloco == "torchft" and torchft_version() is None:
-        return "--diloco torchft: torchft does not import here (python -m pip install torchft torch==2.13.0)"
+    if any(common.method_spec(m).family == "diloco" for m in args.methods) and common.torchft_version() is None:
+        return (f"DiLoCo runs through torchft, which does not import here: {common.TORCHFT_INSTALL} (or leave the "
+                "diloco methods out)")
     return None
-
-
-def model_config(args: argparse.Namespace, seed: int) -> common.ModelConfig:
-    return common.model_config(args, lr=args.lr, max_grad_norm=args.grad_clip or None, seed=seed)
 
 
 def warmup_constant(warmup: int) -> Callable[[int], float]:
@@ -103,19 +79,11 @@ def warmup_constant(warmup: int) -> Callable[[int], float]:
     return lambda update: min(1.0, (update + 1) / (warmup + 1))
 
 
-# ------------------------------------------------------------------------------ rank side
-
-
 class AgreedClock:
     """Training seconds since it was made, pauses left out; and the ranks' clocks, agreed one
-    round late without blocking.
-
-    At every round boundary each rank starts a non-blocking all-reduce (MAX) of its clock on
-    the default group, never on acco's lane, and reads the one it started at the previous
-    boundary: every rank reads the same agreed clocks, so every rank takes the same decisions
-    at the same boundary, and none waits on that all-reduce while the link is busy.
-    Collective: every rank calls ``exchange()`` at every round boundary and ``close()`` once.
-    """
+    round late by a non-blocking all-reduce on the default group, so every rank takes the
+    same decisions at the same boundary and none waits on the busy link. Collective: every
+    rank calls ``exchange()`` at every round boundary and ``close()`` once."""
 
     def __init__(self) -> None:
         self._start, self._paused = time.perf_counter(), 0.0
@@ -161,8 +129,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     rank, world = dist.get_rank(), dist.get_world_size()
     setup_started = time.perf_counter()
     try:
-        method = common.build_method(name, config, args.micro_batches, diloco=args.diloco,
-                                     schedule=warmup_constant(args.warmup))
+        method = common.build_method(name, config, args.micro_batches, schedule=warmup_constant(args.warmup))
     except common.UnsupportedMethod as error:
         return {"method": name, "skipped": str(error)}
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
@@ -232,9 +199,8 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     if lo_bytes is not None and updates:
         result["lo_bytes_per_update"] = lo_bytes / updates
     if method.spec.family == "diloco":
-        implementation = f"torchft {torchft_version()}" if args.diloco == "torchft" else "plain (diloco.py)"
         result.update(sync_every=method.sync_every, outer_steps=method.outer_steps, inner_steps=method.inner_steps,
-                      implementation=implementation)
+                      implementation=f"torchft {common.torchft_version()}")
         if lo_bytes is not None and method.outer_steps:
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.round_stats():
@@ -245,7 +211,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else args.seeds[0]
-    config = model_config(args, seed)
+    config = common.model_config(args, seed=seed)
     train_data, held_out = common.training_text(config.seq_len)
     eval_set = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, seed, torch.device("cpu"))
     initial_loss = evaluate(common.build_model(config), eval_set)  # every method starts from this model
@@ -265,18 +231,15 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
             "threads_per_rank": torch.get_num_threads(), "methods": runs}
 
 
-# ---------------------------------------------------------------------------- driver side
-
-
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
-    config = model_config(args, args.seeds[0])
+    config = common.model_config(args, seed=args.seeds[0])
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "seeds": args.seeds, "ranks": args.ranks, "budget_s": args.budget,
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
-                   "diloco": {"implementation": args.diloco, "torchft": torchft_version(),
+                   "diloco": {"implementation": "torchft", "torchft": common.torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
                    "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
@@ -296,19 +259,15 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for name, rate in results["rates"].items():
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
-            run_started = time.perf_counter()
             run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
                                    rate=rate, netns=True)
-            run.update(label=name, rate=rate, runtime_s=time.perf_counter() - run_started)
+            run.update(label=name, rate=rate)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
             common.save(args, results)  # after every launch, so a long sweep keeps what it has
     results["summary"] = summary(results)
     print(table(results))
     return results
-
-
-# ----------------------------------------------------------------------- tables and plots
 
 
 def first_crossing(points: list[dict[str, Any]], target: float, key: str = "elapsed_s") -> float | None:
@@ -346,8 +305,7 @@ def median(values: list[float | None]) -> float | None:
 
 def summary(data: dict[str, Any]) -> dict[str, Any]:
     """Per rate and method: time to DDP + ZeRO-1's final held-out loss (fraction of the
-    budget, per seed, median), and what explains it (updates/s, micro-batches per update,
-    updates needed, loss at ZeRO-1's update count, bytes per update)."""
+    budget, per seed, median), and what explains it."""
     out: dict[str, Any] = {}
     by_label: dict[str, list[dict[str, Any]]] = {}
     for run in data["runs"]:
@@ -437,15 +395,12 @@ def table(data: dict[str, Any]) -> str:
 
 def section(data: dict[str, Any]) -> str:
     cfg, s = data["config"], data.get("summary") or summary(data)
-    diloco = cfg["diloco"]
-    implementation = (f"torchft {diloco['torchft']}'s `DiLoCo`" if diloco["implementation"] == "torchft"
-                      else "a plain implementation of DiLoCo (Douillard et al. 2023), not torchft")
     intro = (f"{cfg['ranks']} ranks, {common.describe(cfg, cfg['parameters'])}, {cfg['micro_batches_per_update']} "
              f"micro-batches per rank per update, AdamW lr {cfg['lr']} ({cfg['schedule']}, {cfg['warmup_updates']} "
              f"updates of warm-up), clipping {cfg['max_grad_norm']}; **{cfg['budget_s']:.0f} s of training per "
              f"method**, held-out loss on {cfg['eval_batches']} fixed batches every {cfg['eval_every_s']:.2f} s of "
-             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: {implementation}. "
-             f"Cells with a range: median (min-max) over the seeds.")
+             f"training and at the end; seeds {', '.join(map(str, cfg['seeds']))}; DiLoCo: torchft "
+             f"{cfg['diloco']['torchft']}'s `DiLoCo`. Cells with a range: median (min-max) over the seeds.")
     calibration = data.get("calibration", {})
     if calibration.get("targets"):
         base = calibration["unlimited"]
@@ -519,16 +474,12 @@ def plot(data: dict[str, Any], path: Path) -> str:
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return {}
+    data = results["time_to_loss"]
     return {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return []
+    data = results["time_to_loss"]
     return [(f"{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {BAR[rate]} of "
              "the same wall-clock budget (time_to_loss.py, median over seeds)",
              f"{row[1]:.2f} ({common.label(row[0])})" if row else "not reached",
@@ -537,16 +488,14 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    data = results.get("time_to_loss")
-    if data is None:
-        return []
+    data = results["time_to_loss"]
     rows = [("time_to_loss", data["runtime_s"])]
     if data.get("calibration_runtime_s"):
         rows.append(("  calibration", data["calibration_runtime_s"]))
     return rows + [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
 
 
-BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, quick, check)
+BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, check=check, quick={"budget": 6.0})
 
 if __name__ == "__main__":
     common.main(BENCHMARK)
