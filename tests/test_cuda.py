@@ -7,7 +7,8 @@ computes what the CPU computes. Skipped without CUDA.
 - a round sleeping on the side stream and compute sleeping on the compute stream take the
   time of one sleep, not two;
 - sync / dpu / acco on CUDA equal the same run on CPU: world size 1, world size 2 with gloo
-  on CUDA tensors (two ranks sharing one GPU), and bf16 parameters with an fp32 master.
+  on CUDA tensors (two ranks sharing one GPU), and bf16 parameters with an fp32 master;
+- module buffers (BatchNorm statistics) on CUDA: identical on both ranks, equal to the CPU run.
 
 That NCCL collectives run from the lane's thread is in tests/test_collectives.py.
 """
@@ -221,3 +222,31 @@ def test_gloo_on_cuda_tensors_bf16_parameters(gloo_pair) -> None:
     cpu = gloo_pair.run(train, "cpu", "acco", "adamw", 6, torch.bfloat16)
     assert_identical_across_ranks(cuda)
     assert_same_run(cuda[0], cpu[0], 2e-2)
+
+
+def bn_train(device: str, mode: str, buffers: str) -> dict:
+    """A BatchNorm model, each rank on differently scaled data: its full state after finish()."""
+    from tests.test_buffers import batch, bn_model
+
+    model = bn_model().to(device)
+    opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, buffers=buffers, lr=1e-2, timeout=CUDA_TIMEOUT)
+    for r in range(6):
+        for i in range(2):
+            x, y = (t.to(device) for t in batch(r, this_rank(), i))
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    return {"state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("buffers", ["broadcast", "average"])
+@pytest.mark.parametrize("mode", ["dpu", "acco"])
+def test_module_buffers_on_cuda_stay_identical_and_equal_the_cpu_run(gloo_pair, mode, buffers) -> None:
+    """BatchNorm buffers on CUDA ride with the rounds on the side stream: identical on both
+    ranks after finish(), and what the same run computes on the CPU."""
+    cuda = gloo_pair.run(bn_train, "cuda", mode, buffers)
+    cpu = gloo_pair.run(bn_train, "cpu", mode, buffers)
+    assert_identical_across_ranks(cuda, key="state")
+    for name, value in cpu[0]["state"].items():
+        torch.testing.assert_close(cuda[0]["state"][name], value, rtol=1e-4, atol=1e-5)
