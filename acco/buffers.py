@@ -505,6 +505,10 @@ class ShardCopy:
                 else:
                     values[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
+    def state_tensors(self) -> list[Tensor]:
+        """The tensors holding the copy of the optimizer state (the same ones every round)."""
+        return [v for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor)]
+
     def nbytes(self) -> int:
         total = 0 if self._master_copy is None else self._master_copy.nbytes
         return total + sum(v.nbytes for s in self._state_copy.values() for v in s.values() if isinstance(v, Tensor))

@@ -63,37 +63,30 @@ class AccoOptimizer(torch.optim.Optimizer):
     Args:
         params: a module, or an iterable of parameters or of param-group dicts; frozen
             parameters are left alone, tied ones handled once; one dtype and device a group.
-        optimizer_class: the base ``torch.optim.Optimizer`` subclass, built on this rank's
-            shard only.
-        process_group: the ranks that share the model; default: the default group when
-            ``torch.distributed`` is initialised, otherwise a single process.
+        optimizer_class: the base ``torch.optim.Optimizer`` subclass, built on this rank's shard.
+        process_group: the ranks that share the model (default: the default group when
+            ``torch.distributed`` is initialised, otherwise a single process).
         mode: ``"acco"`` (estimate + commit rounds, overlapped), ``"dpu"`` (one-round-stale
             update, overlapped) or ``"sync"`` (ZeRO-1, blocking).
         layout: ``"flat"`` (equal chunks of a flat buffer: element-wise optimizers only),
             ``"tensor"`` (whole tensors per rank) or None (``flat`` where it is exact).
         max_grad_norm: clip the averaged gradient to this global 2-norm before each update
             (the estimate's included), as ``clip_grad_norm_`` would; the norm is in ``round_stats``.
-        param_dtype: dtype of the live model parameters (e.g. ``torch.bfloat16``); the
-            model is cast at construction. Default: unchanged.
-        reduce_dtype: dtype in which gradients are accumulated, reduce-scattered and
-            summed (default ``param_dtype``; a 16-bit type warns: long sums lose precision).
-            The master shard and the optimizer state are always fp32 (fp64 for fp64).
-        nonfinite: ``"raise"`` (default): NaN or inf in any rank's gradients fails the round
-            with ``CommLaneError`` on every rank before anything is updated; ``"skip"``:
-            every rank skips that update (``step()`` returns False, ``skipped_updates``).
-        timeout: limit for each comm-lane collective and for every wait on the lane
-            (default 10 minutes): a dead or stuck rank makes the others raise within it.
-        estimate_dtype: ``acco`` mode only: the estimate rounds' gradients and look-ahead
-            delta travel in this dtype (float8: one scale per chunk); commit rounds stay
-            exact. An update then moves 1.5x (bf16) or 1.25x (float8) a ZeRO-1 update's
-            bytes instead of 2x (docs/design.md, "The light estimate round").
+        param_dtype / reduce_dtype: the live parameters' dtype (the model is cast at
+            construction) / the dtype gradients are accumulated and reduced in (default
+            ``param_dtype``; 16-bit warns). Master shard and state: fp32 (fp64 for fp64).
+        nonfinite: NaN or inf in any rank's gradients: ``"raise"`` (default; ``CommLaneError``
+            on every rank, nothing updated) or ``"skip"`` the update on every rank.
+        timeout: limit for each comm-lane collective and wait (default 10 minutes).
+        estimate_dtype: ``acco`` only: lighter estimate rounds, commit rounds exact
+            (1.5x a ZeRO-1 update's bytes with bf16, 1.25x with float8, instead of 2x).
         buffers: the module's persistent buffers (BatchNorm statistics) across ranks:
             ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` or None (left alone);
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
-            its own ``optimizer_class`` (e.g. Muon for hidden matrices) and ``layout``; it then
-            takes its hyper-parameters from the group and that class's defaults.
+            its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
+            hyper-parameters from the group and that class's defaults.
 
     Raises:
         TypeError / ValueError: bad arguments, raised before any collective runs.
@@ -197,11 +190,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             RuntimeError: no gradient since the last ``accumulate()``, a call inside a
                 :meth:`micro_batch` block, or the optimizer is finished.
         """
-        self._check_usable("accumulate")
-        self._folder.check_outside_block("accumulate()")
-        value = 1.0 if weight is None else checked_weight(weight)
-        self._check_params_unchanged()
-        self._folder.accumulate(value, explicit=weight is not None)
+        self._check_call("accumulate")
+        self._folder.accumulate(1.0 if weight is None else checked_weight(weight), explicit=weight is not None)
 
     @contextmanager
     def micro_batch(self, weight: float | Tensor = 1.0) -> Iterator[None]:
@@ -223,11 +213,8 @@ class AccoOptimizer(torch.optim.Optimizer):
                 in the block after some gradients were folded leaves a partial micro-batch:
                 every later call raises ``RuntimeError``.
         """
-        self._check_usable("micro_batch")
-        value = checked_weight(weight)
-        self._folder.check_outside_block("micro_batch()")
-        self._check_params_unchanged()
-        with self._folder.micro_batch(value):
+        self._check_call("micro_batch")
+        with self._folder.micro_batch(checked_weight(weight)):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -259,12 +246,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise TypeError("AccoOptimizer.step() takes no closure")
-        self._check_usable("step")
-        self._folder.check_outside_block("step()")
+        self._check_call("step")
         self._folder.check_all_accumulated("step()")
         if self._schedule.launched == 0 and self._schedule.current.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
-        self._check_params_unchanged()
         with record_function("acco.step"):
             committed = self._land_in_flight()
             self._launch()
@@ -437,7 +422,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         except Exception as error:
             raise CommLaneError(f"the final module-buffer synchronisation failed on the comm lane: {error}") from error
 
-    def _check_params_unchanged(self) -> None:
+    def _check_call(self, call: str) -> None:
+        """The checks every compute-lane call starts with (before any collective)."""
+        self._check_usable(call)
+        self._folder.check_outside_block(f"{call}()")
         for number, group in enumerate(self._groups):
             group.check_params_unchanged(number)
 

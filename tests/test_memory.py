@@ -134,8 +134,8 @@ def buffers_rank(mode: str, dtype: str) -> dict:
         loss_fn(model, torch.randn(4, 40, dtype=dtype), torch.zeros(4, 7, dtype=dtype)).backward()
         opt.accumulate()
         opt.step()
-        if group.estimate_copy is not None and group.estimate_copy._state_copy:
-            copies.append([v.data_ptr() for s in group.estimate_copy._state_copy.values() for v in s.values()])
+        if group.shard_copy().state_tensors():
+            copies.append([v.data_ptr() for v in group.shard_copy().state_tensors()])
     opt.finish()
     handover = group.round_buffer()
     return {
