@@ -82,6 +82,12 @@ class UpdateDifference:
             out.append((base, view))
         return out
 
+    def _masters(self) -> list[Tensor]:
+        """This rank's committed master shards, read through ``state_dict()``: in ``sync`` and
+        ``dpu`` with fp32 parameters no master shard is kept between rounds (the base
+        optimizer's parameter views then point at a reused buffer), so the views would lie."""
+        return [group["master"] for group in self.opt.state_dict()["acco"]["groups"]]
+
     def _wait_idle(self) -> None:
         while not self.opt.ready():
             time.sleep(0.001)
@@ -100,7 +106,7 @@ class UpdateDifference:
         if upcoming % self.every or upcoming >= self.total or not (self.sync or self.opt.in_flight is RoundKind.COMMIT):
             return
         self._wait_idle()  # the lane is idle: shard and state are the committed ones
-        self.start_shards = [view.detach().clone() for _, view in self._shards()]
+        self.start_shards = self._masters()
         self.start_state = [{k: v.clone() for k, v in base.state[view].items()} for base, view in self._shards()]
         self.data, self.pending_rounds = list(record.batches), self.rounds_per_update - 1
         self.active = self.needs_params = True
@@ -119,9 +125,9 @@ class UpdateDifference:
     def _finish(self) -> None:
         self.active = False
         squares = torch.zeros(3, dtype=torch.float64)
-        for (base, view), start, state, grad in zip(self._shards(), self.start_shards, self.start_state,
-                                                    self._sync_gradient()):
-            u_acco = view.detach() - start
+        for (base, _), master, start, state, grad in zip(self._shards(), self._masters(), self.start_shards,
+                                                         self.start_state, self._sync_gradient()):
+            u_acco = master - start
             param = start.clone()
             reference = type(base)([{**{k: v for k, v in base.param_groups[0].items() if k != "params"},
                                      "params": [param]}])
