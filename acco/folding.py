@@ -147,7 +147,7 @@ class GradFolder:
     def micro_batch(self, weight: float | Tensor) -> Iterator[None]:
         """The body of :meth:`acco.AccoOptimizer.micro_batch`: fold at ``weight`` during
         backward, then end the micro-batch."""
-        if self._folded is not None or self.holds_unfolded_grads():
+        if self._backward_unaccumulated():
             raise RuntimeError(
                 "micro_batch(): the gradients of an earlier backward() have not been accumulated: "
                 "call accumulate() before the block"
@@ -202,11 +202,16 @@ class GradFolder:
         """RuntimeError when a backward()'s gradients were not ended by ``accumulate()``:
         ``p.grad`` set since, or gradients folded during backward() (which only
         ``accumulate()`` counts). Nothing is lost: the call can be retried after it."""
-        if self._folded is not None or self.holds_unfolded_grads():
+        if self._backward_unaccumulated():
             raise RuntimeError(
                 f"{call}: the gradients of the last backward() were not accumulated; call opt.accumulate() "
                 "after each backward() (acco folds p.grad into its accumulator there), then step()"
             )
+
+    def _backward_unaccumulated(self) -> bool:
+        """A backward() ran since the last accumulate(): its gradients were folded by the
+        hooks (only accumulate() counts them), or some p.grad holds them."""
+        return self._folded is not None or self.holds_unfolded_grads()
 
     def holds_unfolded_grads(self) -> bool:
         """Whether some ``p.grad`` holds a gradient not yet in the accumulator."""

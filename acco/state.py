@@ -125,12 +125,8 @@ def _group_state(
     """One entry of ``acco.groups``, at a round boundary (``result_pending``: a finished round's
     result has not been loaded yet)."""
     return {
-        "layout": sharded.plan.layout.value,
-        "optimizer_class": group["optimizer_class"].__name__,
-        "shapes": [list(slot.shape) for slot in sharded.plan.slots],
+        **_group_header(group, sharded),
         "chunk": sharded.plan.chunk,
-        "param_dtype": str(sharded.param_dtype),
-        "reduce_dtype": str(sharded.reduce_dtype),
         "master": sharded.master_values(result_pending=result_pending),
         "base_state": _base_state(sharded, base),
         "in_flight_result": sharded.gather_input.clone() if result_pending else None,
@@ -165,14 +161,7 @@ def check_state_dict(
     if len(saved["groups"]) != len(param_groups) or len(state_dict["param_groups"]) != len(saved["groups"]):
         raise ValueError(f"state has {len(saved['groups'])} param groups, this optimizer {len(param_groups)}")
     for number, (values, group, sharded) in enumerate(zip(saved["groups"], param_groups, groups)):
-        expected = {
-            "layout": sharded.plan.layout.value,
-            "optimizer_class": group["optimizer_class"].__name__,
-            "shapes": [list(slot.shape) for slot in sharded.plan.slots],
-            "param_dtype": str(sharded.param_dtype),
-            "reduce_dtype": str(sharded.reduce_dtype),
-        }
-        for key, value in expected.items():
+        for key, value in _group_header(group, sharded).items():
             if values[key] != value:
                 raise ValueError(f"param group {number}: saved {key} {values[key]!r}, this optimizer has {value!r}")
         for key, length in (("master", sharded.plan.chunk), ("grad_accumulator", sharded.plan.padded_numel)):
@@ -193,6 +182,17 @@ def _load_base_state(sharded: ShardedGroup, base: torch.optim.Optimizer, saved: 
                 key: value.to(view.device).clone() if isinstance(value, Tensor) and value.dim() else _clone(value)
                 for key, value in saved[index].items()
             }
+
+
+def _group_header(group: dict[str, Any], sharded: ShardedGroup) -> dict[str, Any]:
+    """What a saved group must match to be loaded: layout, class, shapes and dtypes."""
+    return {
+        "layout": sharded.plan.layout.value,
+        "optimizer_class": group["optimizer_class"].__name__,
+        "shapes": [list(slot.shape) for slot in sharded.plan.slots],
+        "param_dtype": str(sharded.param_dtype),
+        "reduce_dtype": str(sharded.reduce_dtype),
+    }
 
 
 def _base_state(sharded: ShardedGroup, base: torch.optim.Optimizer | None) -> dict[int, dict[str, Any]]:
