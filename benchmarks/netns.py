@@ -1,9 +1,12 @@
 """Run N ranks on this machine behind a rate-limited network: a fresh network namespace
-whose loopback carries a token-bucket filter, always removed afterwards. Needs root and
-iproute2; what the link is and is not: benchmarks/README.md, "A slow cluster on one machine".
+whose loopback carries a token-bucket filter, or two namespaces (two emulated nodes, each
+with a fast loopback) joined by a veth pair that carries the filter; always removed
+afterwards. Needs root and iproute2; what the links are and are not: benchmarks/README.md,
+"A slow cluster on one machine".
 
     sudo $(which python) benchmarks/netns.py --nproc 2 --rate 200mbit -- examples/train_gpt.py
     sudo $(which python) benchmarks/netns.py --nproc 2 -- examples/train_gpt.py        # no limit
+    sudo $(which python) benchmarks/netns.py --nodes 2 --nproc 2 --rate 200mbit -- examples/train_gpt.py
 """
 
 from __future__ import annotations
@@ -14,15 +17,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
-__all__ = ["NetnsError", "check_requirements", "namespace", "run_ranks"]
+__all__ = ["Node", "NetnsError", "check_requirements", "namespace", "run_nodes", "run_ranks", "two_nodes"]
 
 DEFAULT_BURST = "256kb"  # at least one 64 KiB loopback packet
 DEFAULT_LATENCY = "50ms"  # how long a packet may wait in the queue before it is dropped
 MASTER_PORT = 29500  # a fresh namespace has every port free
+SUBNET = "10.77.{}.{}"  # the link between two emulated nodes; private to their namespaces
 
 
 class NetnsError(RuntimeError):
@@ -68,6 +74,85 @@ def namespace(rate: str | None, burst: str = DEFAULT_BURST, latency: str = DEFAU
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+@dataclass(frozen=True)
+class Node:
+    """One emulated node: its network namespace, its end of the link and that end's address."""
+
+    netns: str
+    interface: str
+    address: str
+
+
+@contextmanager
+def two_nodes(rate: str | None, burst: str = DEFAULT_BURST,
+              latency: str = DEFAULT_LATENCY) -> Iterator[tuple[Node, Node]]:
+    """Two network namespaces, each with its loopback up (the fast link inside a node),
+    joined by a veth pair whose two ends each carry a tbf at ``rate`` (a full-duplex link
+    between the nodes; none if ``rate`` is None). Ranks of one node that bind to the node's
+    address still talk over its loopback: Linux routes a namespace's own addresses through
+    ``lo``. Yields the two nodes; deletes both namespaces (and with them the veth pair) on
+    exit, whatever happens.
+
+    Raises:
+        NetnsError: not root, iproute2 missing, or a command failed (the message says which).
+    """
+    check_requirements()
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    subnet = 1 + int(uuid.uuid4().hex[:2], 16) % 250  # two runs at once get two subnets (separate namespaces anyway)
+    nodes = tuple(Node(f"acco-bench-{tag}-{'ab'[i]}", f"node{i}", SUBNET.format(subnet, i + 1)) for i in range(2))
+    created: list[str] = []
+    try:
+        for node in nodes:
+            _run(["ip", "netns", "add", node.netns])
+            created.append(node.netns)
+        # Made inside the namespaces in one command: no end is ever left in the host's.
+        _run(["ip", "link", "add", nodes[0].interface, "netns", nodes[0].netns, "type", "veth", "peer", "name",
+              nodes[1].interface, "netns", nodes[1].netns])
+        for node in nodes:
+            inside = ["ip", "netns", "exec", node.netns]
+            _run([*inside, "ip", "link", "set", "lo", "up"])
+            _run([*inside, "ip", "addr", "add", f"{node.address}/24", "dev", node.interface])
+            _run([*inside, "ip", "link", "set", node.interface, "up"])
+            if rate is not None:
+                _run([*inside, "tc", "qdisc", "add", "dev", node.interface, "root", "tbf", "rate", rate, "burst",
+                      burst, "latency", latency])
+        yield nodes  # type: ignore[misc]
+    finally:
+        for name in created:  # deleting a namespace deletes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run_nodes(nproc_per_node: int, script_and_args: Sequence[str], rate: str | None = None, *,
+              burst: str = DEFAULT_BURST, latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None) -> int:
+    """Run ``SCRIPT ARGS`` on two emulated nodes (:func:`two_nodes`), one ``torchrun
+    --nnodes 2 --node-rank I --nproc-per-node nproc_per_node`` in each namespace, rendezvous
+    at node 0's address, as on a real two-node cluster: global ranks 0 .. n-1 on node 0, n ..
+    2n-1 on node 1. gloo binds each rank to its node's end of the link. The ranks see
+    ``ACCO_BENCH_NETNS``, ``ACCO_BENCH_LINK`` (their node's interface) and ``ACCO_BENCH_RATE``.
+    Returns the first non-zero exit status (the other node's ranks are then stopped), else 0."""
+    with two_nodes(rate, burst, latency) as nodes:
+        processes: list[subprocess.Popen] = []
+        try:
+            for index, node in enumerate(nodes):
+                child_env = {**os.environ, **(env or {}), "ACCO_BENCH_NETNS": node.netns,
+                             "ACCO_BENCH_LINK": node.interface, "ACCO_BENCH_RATE": rate or "unlimited",
+                             "GLOO_SOCKET_IFNAME": node.interface}
+                command = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "torch.distributed.run",
+                           "--nnodes", "2", "--node-rank", str(index), "--nproc-per-node", str(nproc_per_node),
+                           "--master-addr", nodes[0].address, "--master-port", str(MASTER_PORT), *script_and_args]
+                processes.append(subprocess.Popen(command, env=child_env, start_new_session=True))
+            while True:
+                codes = [p.poll() for p in processes]
+                failed = [c for c in codes if c]
+                if failed or all(c is not None for c in codes):
+                    break
+                time.sleep(0.2)
+            return failed[0] if failed else 0
+        finally:
+            for process in processes:
+                _stop(process)
+
+
 def run_ranks(nproc: int, script_and_args: Sequence[str], rate: str | None = None, *, burst: str = DEFAULT_BURST,
               latency: str = DEFAULT_LATENCY, env: dict[str, str] | None = None) -> int:
     """Run ``torchrun --nproc-per-node nproc SCRIPT ARGS`` inside a rate-limited namespace,
@@ -104,8 +189,11 @@ def _stop(process: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start")
-    parser.add_argument("--rate", default=None, help="tc rate of the loopback, e.g. 200mbit (default: no limit)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) to start, per node")
+    parser.add_argument("--nodes", type=int, default=1, choices=[1, 2],
+                        help="1: one namespace, the rate on its loopback; 2: two namespaces, the rate on the link "
+                             "between them")
+    parser.add_argument("--rate", default=None, help="tc rate of the limited link, e.g. 200mbit (default: no limit)")
     parser.add_argument("--burst", default=DEFAULT_BURST)
     parser.add_argument("--latency", default=DEFAULT_LATENCY)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] run by torchrun")
@@ -115,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the script to run after --")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # an exception: the namespace's `finally` runs
     try:
+        if args.nodes == 2:
+            return run_nodes(args.nproc, command, args.rate, burst=args.burst, latency=args.latency)
         return run_ranks(args.nproc, command, args.rate, burst=args.burst, latency=args.latency)
     except NetnsError as error:
         print(f"netns.py: {error}", file=sys.stderr)
