@@ -564,8 +564,10 @@ class Window:
         while True:
             busy0 = cpu_busy_seconds()
             time.sleep(sample_s)
-            (share,) = all_reduce([(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1))], "max")
-            self.waited_for_quiet_s = time.perf_counter() - started
+            # the waited time agreed too: every rank must leave the loop at the same sample
+            share, self.waited_for_quiet_s = all_reduce(
+                [(cpu_busy_seconds() - busy0) / (sample_s * (os.cpu_count() or 1)), time.perf_counter() - started],
+                "max")
             if share < threshold or self.waited_for_quiet_s > max_quiet_wait_s:
                 break
             if not announced and dist.get_rank() == 0:
