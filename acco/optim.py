@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from acco.buffers import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
+from acco.mesh import InnerMesh
 from acco.lane import make_lane
 from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
 from acco.layout import Layout, ShardPlan
@@ -139,24 +140,34 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, estimate_dtype
         self._comm = Collectives.from_user_group(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
-        self._sealed = False
-        super().__init__(groups, base_defaults)
-        self._sealed = True
-        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size)
-        self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         if isinstance(params, nn.Module) and module is not None and module is not params:
             raise ValueError("module= names another model than params: pass the model once, as params or as module")
         module = params if isinstance(params, nn.Module) else module
+        inner = InnerMesh([p for g in groups for p in g["params"]], module, self._comm)
+        inner.check(groups, param_dtype)
+        self._sealed = False
+        super().__init__(groups, base_defaults)
+        self._sealed = True
+        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size, inner if inner.active else None)
+        self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         self._buffer_sync = buffer_sync_for(module, options.buffer_policy, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
         names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
         start_identical(self._groups, self._comm, options, names, self._buffer_sync)
         self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
+        mesh_comm = None  # with DTensor parameters: the lane's group over the whole mesh
+        if inner.active:
+            inner.gather_ranks(self._comm)
+            if inner.ranks != sorted(self._comm.group_ranks()):
+                mesh_comm = self._comm.new_group(inner.ranks, timeout)
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options, self._buffer_sync)
+        self._runner = RoundRunner(
+            self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options,
+            self._buffer_sync, mesh_collectives=mesh_comm, replica_size=inner.replica_size,
+        )  # fmt: skip
         self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False

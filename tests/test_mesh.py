@@ -1,0 +1,187 @@
+"""acco across replica groups, FSDP2 or tensor parallelism inside (2-D DeviceMesh), on 4 gloo ranks.
+
+Mesh ``(R, S) = (2, 2)`` with dims ``("replicate", "shard")``: global rank ``g`` is replica
+``g // S`` and position ``g % S`` inside it. Every rank of a replica group uses the same
+weights (FSDP2 averages inside the group; tensor parallelism computes one micro-batch on
+all its ranks); replicas use different ones. References:
+
+- ``sync``: FSDP2 HSDP (``fully_shard(model, mesh=mesh)``, the same base optimizer and
+  ``clip_grad_norm_``) and one-process training on the global batch (tests/reference.py);
+- ``acco`` / ``dpu``: flat acco on 4 ranks with the same micro-batches and the recurrences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_params_close, assert_params_equal
+from tests.reference import OPTIMIZERS, RECURRENCES, loss_fn, make_model, micro_batch, params_of
+
+pytestmark = pytest.mark.timeout(180)
+
+R = S = 2
+ROUNDS = 4
+MAX_NORM = 0.05  # small enough that every update is clipped
+TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}
+
+
+def weight_of(round_: int, replica: int, index: int) -> float:
+    """The micro-batch size (its weight) of a replica group: unequal across replicas."""
+    return float(1 + (5 * round_ + 3 * replica + index) % 4)
+
+
+def data_of(inner: str, round_: int, rank: int, index: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A rank's micro-batch: its own under FSDP2 (and flat), its replica group's under TP."""
+    replica = rank // S
+    source = replica if inner == "tp" else rank
+    size = int(weight_of(round_, replica, index)) if weighted else 4
+    x, y = micro_batch(round_, source, index, size=size)
+    return x, y, float(size)
+
+
+def global_rounds(inner: str, weighted: bool) -> list[list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """Every micro-batch of each round once, with its weight, for the references."""
+    sources = range(R) if inner == "tp" else range(R * S)
+    rank_of = (lambda source: source * S) if inner == "tp" else (lambda source: source)
+    return [
+        [data_of(inner, r, rank_of(source), i, weighted) for source in sources for i in range(2)] for r in range(ROUNDS)
+    ]
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole parameters (DTensors gathered: collective), as plain tensors."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def hidden_of(inner: str) -> int:
+    """Tensor parallelism's plans shard evenly only; FSDP2 gets odd (uneven) shards."""
+    return 8 if inner == "tp" else 7
+
+
+def build(inner: str, mesh, mixed: bool = False) -> torch.nn.Module:
+    model = make_model(hidden=hidden_of(inner))
+    if inner == "fsdp":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        for index in (0, 2):
+            fully_shard(model[index], mesh=mesh["shard"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["shard"], mp_policy=policy)
+    elif inner == "tp":
+        parallelize_module(model, mesh["shard"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    elif inner == "hsdp":
+        for index in (0, 2):
+            fully_shard(model[index], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_rank(inner: str, mode: str, optimizer: str, weighted: bool, fold: str = "accumulate",
+               mixed: bool = False, shape: tuple[int, int] = (R, S)) -> dict:
+    """One rank: acco across ``mesh["replicate"]``, ``inner`` inside (``"flat"``: plain
+    parameters, acco over all ranks)."""
+    rank = dist.get_rank()
+    cls, hp = OPTIMIZERS[optimizer]
+    if inner == "flat":
+        model, group = make_model(), None
+    else:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        model, group = build(inner, mesh, mixed), mesh["replicate"].get_group()
+    opt = AccoOptimizer(model, cls, process_group=group, mode=mode, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
+    for r in range(ROUNDS):
+        for i in range(2):
+            x, y, w = data_of("tp" if inner == "tp" else "fsdp", r, rank, i, weighted)
+            if fold == "micro_batch":
+                with opt.micro_batch(weight=w):
+                    loss_fn(model, x, y).backward()
+            else:
+                loss_fn(model, x, y).backward()
+                opt.accumulate(weight=w if weighted else None)
+        opt.step()
+    opt.finish()
+    return {"params": full_params(model), "norms": [s.grad_norm for s in opt.round_stats if s.grad_norm is not None]}
+
+
+def hsdp_rank(optimizer: str) -> dict:
+    """FSDP2 HSDP on the 2-D mesh: its all-reduce across replicas in every backward."""
+    cls, hp = OPTIMIZERS[optimizer]
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    model = build("hsdp", mesh)
+    opt = cls(model.parameters(), **hp)
+    for r in range(ROUNDS):
+        for i in range(2):
+            x, y, _ = data_of("fsdp", r, dist.get_rank(), i, weighted=False)
+            (loss_fn(model, x, y) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return {"params": full_params(model)}
+
+
+def assert_all_ranks_equal(results: list[dict]) -> None:
+    for rank, result in enumerate(results[1:], start=1):
+        assert_params_equal(result["params"], results[0]["params"]), rank
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("inner", ["fsdp", "tp"])
+def test_sync_equals_hsdp_and_one_process_training(ranks, inner, optimizer) -> None:
+    """acco ``sync`` across replicas, FSDP2 / TP inside, clipped: equal to one process on the
+    global batch with unequal weights, and (equal weights) to FSDP2 HSDP; every rank ends
+    with the same full parameters."""
+    pool, tol = ranks(4), TOLERANCE[optimizer]
+    fold = "micro_batch" if optimizer == "adamw" else "accumulate"
+    weighted = pool.run(train_rank, inner, "sync", optimizer, True, fold)
+    assert_all_ranks_equal(weighted)
+    init = params_of(make_model(hidden=hidden_of(inner)))
+    expected = RECURRENCES["sync"](init, optimizer, global_rounds(inner, True), max_norm=MAX_NORM)
+    assert_params_close(weighted[0]["params"], expected, rtol=tol, atol=tol)
+    equal = pool.run(train_rank, inner, "sync", optimizer, False)
+    assert_params_close(equal[0]["params"], RECURRENCES["sync"](init, optimizer, global_rounds(inner, False), max_norm=MAX_NORM), rtol=tol, atol=tol)
+    if inner == "fsdp":
+        hsdp = pool.run(hsdp_rank, optimizer)
+        assert_params_close(equal[0]["params"], hsdp[0]["params"], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+@pytest.mark.parametrize("inner", ["fsdp", "tp"])
+def test_acco_and_dpu_equal_flat_acco_and_the_recurrences(ranks, inner, mode) -> None:
+    """acco / dpu with FSDP2 or TP inside, unequal weights, clipping: equal to flat acco on 4
+    ranks fed the same micro-batches and to the one-process recurrence."""
+    pool = ranks(4)
+    for optimizer in ("sgd", "adamw"):
+        tol = TOLERANCE[optimizer]
+        mesh = pool.run(train_rank, inner, mode, optimizer, True)
+        assert_all_ranks_equal(mesh)
+        expected = RECURRENCES[mode](params_of(make_model(hidden=hidden_of(inner))), optimizer, global_rounds(inner, True), max_norm=MAX_NORM)
+        assert_params_close(mesh[0]["params"], expected, rtol=tol, atol=tol)
+        if inner == "fsdp":  # flat acco sees each rank's micro-batch: the same global batch
+            flat = pool.run(train_rank, "flat", mode, optimizer, True)
+            assert_params_close(mesh[0]["params"], flat[0]["params"], rtol=tol, atol=tol)
+
+
+def test_one_rank_inside_equals_the_flat_path_bit_for_bit(ranks) -> None:
+    """S = 1 (FSDP2 on a mesh of one rank per replica group): the DTensor path is the flat path."""
+    pool = ranks(4)
+    for mode in ("acco", "sync"):
+        mesh = pool.run(train_rank, "fsdp", mode, "adamw", True, "micro_batch", False, (4, 1))
+        flat = pool.run(train_rank, "flat", mode, "adamw", True, "micro_batch")
+        assert_params_equal(mesh[0]["params"], flat[0]["params"])
+        assert mesh[0]["norms"] == flat[0]["norms"]
+
+
+def test_bf16_parameters_with_fp32_reduce(ranks) -> None:
+    """FSDP2's MixedPrecisionPolicy (bf16 all-gather and compute, fp32 reduce): within 2e-2 of fp32."""
+    pool = ranks(4)
+    mixed = pool.run(train_rank, "fsdp", "acco", "adamw", True, "accumulate", True)
+    exact = pool.run(train_rank, "fsdp", "acco", "adamw", True, "accumulate", False)
+    assert_all_ranks_equal(mixed)
+    assert_params_close(mixed[0]["params"], exact[0]["params"], rtol=2e-2, atol=2e-2)
