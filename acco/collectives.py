@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,14 @@ class Collectives:
         if received is None:
             return None
         return [bytes(r[: int(s.item())].cpu().tolist()) for r, s in zip(received, sizes)]
+
+    def all_gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable: tensors and plain values), in group rank order."""
+        if not self.active:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value, group=self.group)
+        return every
 
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> None:
         """``output`` = this rank's chunk of the sum of ``input`` over ranks.

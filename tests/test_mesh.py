@@ -185,3 +185,124 @@ def test_bf16_parameters_with_fp32_reduce(ranks) -> None:
     exact = pool.run(train_rank, "fsdp", "acco", "adamw", True, "accumulate", False)
     assert_all_ranks_equal(mixed)
     assert_params_close(mixed[0]["params"], exact[0]["params"], rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+SAVE_AFTER, CKPT_ROUNDS = 3, 6  # saved with an estimate in flight and its gradients pending
+
+
+def layout_model(layout: str, seed: int = 0):
+    """A model and acco's group for ``layout``: ``"RxS"`` (FSDP2 inside) or ``"flat"``."""
+    model = make_model(seed=seed)
+    if layout == "flat":
+        return model, None
+    shape = tuple(int(n) for n in layout.split("x"))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    for index in (0, 2):
+        fully_shard(model[index], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return model, mesh["replicate"].get_group()
+
+
+def ckpt_rounds(model, opt, rounds: range, sources: list[int]) -> None:
+    """Rounds of 2 micro-batches of each source (4 sources in all, split over the ranks)."""
+    for r in rounds:
+        for source in sources:
+            for i in range(2):
+                loss_fn(model, *micro_batch(r, source, i)).backward()
+                opt.accumulate()
+        opt.step()
+
+
+def ckpt_rank(layout: str, load_from: str | None, save_to: str | None, mode: str = "acco") -> dict:
+    """Train (or load at round SAVE_AFTER), optionally save there, continue to CKPT_ROUNDS."""
+    from acco import checkpoint
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sources = list(range(rank * 4 // world, (rank + 1) * 4 // world))
+    # A model that loads starts elsewhere: the checkpoint must bring its parameters.
+    model, group = layout_model(layout, seed=0 if load_from is None else 1)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=group, mode=mode, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
+    if load_from is None:
+        ckpt_rounds(model, opt, range(SAVE_AFTER), sources)
+    else:
+        checkpoint.load(load_from, opt, model)
+    if save_to is not None:
+        checkpoint.save(save_to, opt, model)
+    ckpt_rounds(model, opt, range(SAVE_AFTER, CKPT_ROUNDS), sources)
+    opt.finish()
+    return {"params": full_params(model)}
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_reshard_between_meshes_flat_ranks_and_one_rank(ranks, tmp_path) -> None:
+    """Saved at (2, 2) with an estimate in flight: continuation at (2, 2) is bit-identical;
+    at (1, 4), (4, 1), flat 4 ranks and 1 rank equal to 1e-6; and each of those saves a
+    checkpoint that (2, 2) loads back."""
+    pool = ranks(4)
+    saved = str(tmp_path / "at-2x2")
+    reference = pool.run(ckpt_rank, "2x2", None, saved)[0]["params"]
+    again = pool.run(ckpt_rank, "2x2", saved, None)
+    assert_all_ranks_equal(again)
+    assert_params_equal(again[0]["params"], reference)
+    for layout in ("1x4", "4x1", "flat"):
+        there = str(tmp_path / f"at-{layout}")
+        moved = pool.run(ckpt_rank, layout, saved, there)
+        assert_all_ranks_equal(moved)
+        assert_params_close(moved[0]["params"], reference, rtol=1e-6, atol=1e-6)
+        back = pool.run(ckpt_rank, "2x2", there, None)
+        assert_params_close(back[0]["params"], reference, rtol=1e-6, atol=1e-6)
+    alone = str(tmp_path / "at-1")
+    one = ckpt_rank("flat", saved, alone)  # this process: no process group
+    assert_params_close(one["params"], reference, rtol=1e-6, atol=1e-6)
+    back = pool.run(ckpt_rank, "2x2", alone, None)
+    assert_params_close(back[0]["params"], reference, rtol=1e-6, atol=1e-6)
+
+
+def test_optimizer_state_reaches_dcp_whole_at_its_global_offsets(ranks, tmp_path) -> None:
+    """Every per-parameter entry of a (2, 2) checkpoint is stored whole (its chunks cover the
+    tensor): ZeRO-1 slices saved as plain tensors under one key would keep one rank's only."""
+    import torch.distributed.checkpoint as dcp
+
+    pool = ranks(4)
+    saved = str(tmp_path / "ckpt")
+    pool.run(ckpt_rank, "2x2", None, saved)
+    entries = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    portable = {k: v for k, v in entries.items() if k.startswith("acco.portable.") and not k.endswith("skeleton")}
+    assert any(k.endswith(".exp_avg") for k in portable) and any(k.endswith(".acco_master") for k in portable)
+    for key, entry in portable.items():
+        covered = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
+        assert covered == entry.size.numel(), f"{key}: chunks cover {covered} of {entry.size.numel()} elements"
+        assert len(entry.chunks) == 2, f"{key}: stored as {len(entry.chunks)} chunks, not S = 2 blocks"
+
+
+def state_dict_api_rank() -> dict:
+    """torch's get/set_optimizer_state_dict move acco's state between two optimizers."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    rank = dist.get_rank()
+    model, group = layout_model("2x2")
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=group, mode="acco", timeout=TIMEOUT, **hp)
+    ckpt_rounds(model, opt, range(SAVE_AFTER), [rank])
+    state = get_optimizer_state_dict(model, opt)
+    kinds = {type(v).__name__ for entry in state["state"].values() for k, v in entry.items() if k == "exp_avg"}
+    twin, twin_group = layout_model("2x2")
+    twin.load_state_dict(model.state_dict())
+    twin_opt = AccoOptimizer(twin, cls, process_group=twin_group, mode="acco", timeout=TIMEOUT, **hp)
+    set_optimizer_state_dict(twin, twin_opt, state)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        ckpt_rounds(m, o, range(SAVE_AFTER, CKPT_ROUNDS), [rank])
+        o.finish()
+    return {"params": full_params(model), "twin": full_params(twin), "keys": sorted(state["state"]), "kinds": kinds}
+
+
+def test_get_and_set_optimizer_state_dict(ranks) -> None:
+    results = ranks(4).run(state_dict_api_rank)
+    assert results[0]["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert results[0]["kinds"] == {"DTensor"}
+    for result in results:
+        assert_params_equal(result["twin"], result["params"])
