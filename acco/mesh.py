@@ -198,7 +198,10 @@ class InnerMesh:
 
     def norm_weights(self, params: Sequence[Tensor]) -> list[float] | None:
         """Each parameter's weight in the squared gradient norm; None when all are 1."""
-        weights = [self.params[id(p)].norm_weight if id(p) in self.params else 1.0 for p in params]
+        # A plain parameter beside DTensor ones (outside a tensor-parallel plan) is the same
+        # on every rank of its replica group: counted once.
+        plain = 1.0 / self.replica_size
+        weights = [self.params[id(p)].norm_weight if id(p) in self.params else plain for p in params]
         return None if all(w == 1.0 for w in weights) else weights
 
     def mesh_param(self, param: Tensor) -> MeshParam | None:
