@@ -306,3 +306,54 @@ def test_get_and_set_optimizer_state_dict(ranks) -> None:
     assert results[0]["kinds"] == {"DTensor"}
     for result in results:
         assert_params_equal(result["twin"], result["params"])
+
+
+def divide_factor_rank(factor: float | None) -> dict:
+    """FSDP2 summing inside the group (torchtitan's set_gradient_divide_factor(1.0)) or
+    averaging (its default): acco's update is the global mean either way."""
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    model = build("fsdp", mesh)
+    if factor is not None:
+        model.set_gradient_divide_factor(factor)
+        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    cls, hp = OPTIMIZERS["sgd"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="sync", timeout=TIMEOUT, **hp)
+    for r in range(2):
+        for i in range(2):
+            loss_fn(model, *micro_batch(r, dist.get_rank(), i)).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    return {"params": full_params(model)}
+
+
+def test_gradient_divide_factor_is_undone(ranks) -> None:
+    pool = ranks(4)
+    default = pool.run(divide_factor_rank, None)
+    summed = pool.run(divide_factor_rank, 1.0)
+    assert_params_close(summed[0]["params"], default[0]["params"], rtol=1e-6, atol=1e-6)
+
+
+def misuse_rank() -> list[str]:
+    """Each refused setting raises ValueError on every rank, before any collective."""
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    group = mesh["replicate"].get_group()
+    messages = []
+    for make, kwargs in (
+        (lambda: build("hsdp", mesh), {}),  # FSDP2 given the replicate dimension
+        (lambda: build("fsdp", mesh), {"param_dtype": torch.bfloat16}),
+        (lambda: build("fsdp", mesh), {"layout": "tensor"}),
+        (lambda: build("fsdp", mesh), {"process_group": None}),  # acco over the ranks FSDP2 shards over
+    ):
+        try:
+            AccoOptimizer(make(), torch.optim.AdamW, **{"process_group": group, **kwargs}, timeout=TIMEOUT)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_refused_settings_raise_before_any_collective(ranks) -> None:
+    for messages in ranks(4).run(misuse_rank):
+        assert len(messages) == 4, messages
+        assert "HSDP" in messages[0] and "MixedPrecisionPolicy" in messages[1]
+        assert "whole tensors" in messages[2] and "shares ranks" in messages[3]
