@@ -123,6 +123,7 @@ class InnerMesh:
     Attributes:
         params: a :class:`MeshParam` per DTensor parameter, by ``id``.
         ranks: every rank of the mesh (acco's group times the inner dimensions), sorted.
+        replica_ranks: the ranks of this rank's replica group (the inner dimensions).
         replica_size: ranks per replica group (``len(ranks) / world size of acco's group``);
             each passes the same weights, which the comm lane's sums count once.
     """
@@ -154,8 +155,8 @@ class InnerMesh:
                     "mesh: acco reduces across replicas, FSDP2 / tensor parallelism inside one; pass "
                     "process_group=mesh['replicate'].get_group() and give the parameters the other dimensions"
                 )
-        self._inner = sorted(inner) if inner else [comm.global_rank()]
-        self.replica_size = len(self._inner)
+        self.replica_ranks = sorted(inner) if inner else [comm.global_rank()]
+        self.replica_size = len(self.replica_ranks)
         self.ranks: list[int] = []
 
     def check(self, param_groups: Sequence[dict[str, Any]], param_dtype: torch.dtype | None) -> None:
@@ -189,7 +190,7 @@ class InnerMesh:
                 f"AccoOptimizer: replica groups of different sizes across process_group ({[s[0] for s in sizes]}): "
                 "every rank's DTensor parameters must span the same number of ranks"
             )
-        every = comm.all_gather_ints(self._inner)
+        every = comm.all_gather_ints(self.replica_ranks)
         self.ranks = sorted({r for ranks in every for r in ranks})
 
     def lane_group(self, comm: Collectives, timeout: datetime.timedelta) -> Collectives:

@@ -169,6 +169,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             inner.gather_ranks(self._comm)
             if inner.ranks != sorted(self._comm.group_ranks()):
                 mesh_comm = self._comm.new_group(inner.ranks, timeout)
+        # ready() on a mesh: a replica group's ranks must agree (FSDP2 reduce-scatters in
+        # every backward, so they must run the same number of micro-batches).
+        self._replica_comm = self._comm.new_group(inner.replica_ranks, timeout) if inner.replica_size > 1 else None
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
@@ -244,8 +247,19 @@ class AccoOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def ready(self) -> bool:
-        """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
-        return self._schedule.in_flight is None or self._schedule.in_flight.future.done()
+        """Whether ``step()`` would return without waiting for the comm lane. Never blocks
+        on the lane.
+
+        On a mesh with several ranks per replica group (FSDP2 or TP inside) it answers for
+        the whole group, through one small all-reduce over it on the training thread:
+        those ranks must run the same number of micro-batches.
+        """
+        done = self._schedule.in_flight is None or self._schedule.in_flight.future.done()
+        if self._replica_comm is None:
+            return done
+        waiting = torch.tensor([0.0 if done else 1.0], device=self._groups[0].device)
+        self._replica_comm.all_reduce_max_(waiting)
+        return not bool(waiting.item())
 
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """End the round: land the round in flight, hand this round's gradients over.

@@ -357,3 +357,47 @@ def test_refused_settings_raise_before_any_collective(ranks) -> None:
         assert len(messages) == 4, messages
         assert "HSDP" in messages[0] and "MixedPrecisionPolicy" in messages[1]
         assert "whole tensors" in messages[2] and "shares ranks" in messages[3]
+
+
+def features_rank() -> dict:
+    """The ready() loop, the light estimate, a NaN on one rank skipped everywhere, eval()."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    model = build("fsdp", mesh)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="acco",
+                        estimate_dtype=torch.bfloat16, nonfinite="skip", max_grad_norm=1.0, timeout=TIMEOUT, **hp)
+    counts, evals = [], []
+    for r in range(8):
+        n = 0
+        while n < 1 or not opt.ready():  # at least one micro-batch, more while the round is in flight
+            loss = loss_fn(model, *micro_batch(r, rank, n))
+            if r == 4 and rank == 1 and n == 0:
+                loss = loss * float("nan")  # one rank of one replica group
+            loss.backward()
+            opt.accumulate()
+            n += 1
+        counts.append(n)
+        opt.step()
+        if r == 5:
+            before = full_params(model)
+            opt.eval()
+            evals.append(full_params(model))
+            opt.train()
+            assert_params_equal(full_params(model), before)
+    opt.finish()
+    return {"params": full_params(model), "counts": counts, "skipped": opt.skipped_updates,
+            "updates": opt.num_updates}
+
+
+def test_ready_loop_light_estimate_and_a_skipped_nan_on_a_mesh(ranks) -> None:
+    """Every acco feature on the mesh: the ranks of a replica group run the same number of
+    micro-batches in the ready() loop, a NaN on one rank skips the update on all, and every
+    rank ends with the same finite parameters."""
+    results = ranks(4).run(features_rank)
+    assert_all_ranks_equal(results)
+    for replica in range(R):
+        assert results[replica * S]["counts"] == results[replica * S + 1]["counts"]
+    assert {r["skipped"] for r in results} == {1}
+    assert {r["updates"] for r in results} == {results[0]["updates"]}
+    assert all(torch.isfinite(v).all() for v in results[0]["params"].values())
