@@ -53,7 +53,6 @@ import os
 import statistics
 import sysconfig
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
