@@ -16,6 +16,7 @@ from torch import Tensor
 
 from acco.collectives import Collectives
 from acco.layout import Layout, ShardPlan, plan_layout
+from acco.mesh import InnerMesh, MeshParam, local_tensor
 from acco.module_buffers import BufferSync
 from acco.options import Mode, Options
 from acco.quantize import dequantize_row
@@ -23,12 +24,15 @@ from acco.quantize import dequantize_row
 __all__ = ["ShardCopy", "ShardedGroup", "build_groups", "start_identical"]
 
 
-def build_groups(param_groups: Sequence[dict[str, Any]], options: Options, rank: int, world_size: int) -> list[ShardedGroup]:
-    """One :class:`ShardedGroup` per param group, as ``options.mode`` needs them."""
+def build_groups(
+    param_groups: Sequence[dict[str, Any]], options: Options, rank: int, world_size: int, inner: InnerMesh | None = None
+) -> list[ShardedGroup]:
+    """One :class:`ShardedGroup` per param group, as ``options.mode`` needs them; with
+    ``inner`` (DTensor parameters) each works on the parameters' local tensors."""
     groups = [
         ShardedGroup(
             g["params"],
-            plan_layout(g["layout"], [p.shape for p in g["params"]], world_size),
+            plan_layout(g["layout"], [local_tensor(p).shape for p in g["params"]], world_size),
             rank,
             param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
@@ -38,6 +42,7 @@ def build_groups(param_groups: Sequence[dict[str, Any]], options: Options, rank:
             # sync and dpu load each round's result as the committed parameters: with
             # fp32 parameters those hold the master shard (acco's hold estimates).
             master_in_params=options.mode is not Mode.ACCO,
+            inner=inner,
         )
         for g in param_groups
     ]
@@ -135,9 +140,16 @@ class ShardedGroup:
         *,
         double_buffered: bool = True,
         master_in_params: bool = False,
+        inner: InnerMesh | None = None,
     ) -> None:
-        first = params[0]
         self.params = list(params)
+        # DTensor parameters (docs/design.md, "Meshes"): everything below works on their
+        # local tensors; mesh_params read their gradients, norm_weights count them in the norm.
+        self.mesh_params: list[MeshParam | None] = [
+            None if inner is None else inner.mesh_param(p) for p in self.params
+        ]
+        self.norm_weights = None if inner is None else inner.norm_weights(self.params)
+        first = local_tensor(params[0])
         self.plan = plan
         self.rank = rank
         self.device = first.device
@@ -182,6 +194,29 @@ class ShardedGroup:
         # allocated at the first estimate and reused by every later one.
         self._estimate_copy: ShardCopy | None = None
         self._live_aside: list[Tensor] | None = None  # eval()'s copy of the live parameters
+
+    @property
+    def has_dtensors(self) -> bool:
+        return any(m is not None for m in self.mesh_params)
+
+    def locals(self) -> list[Tensor]:
+        """The tensors acco reads and writes: the parameters, or their local tensors
+        (looked up each time: FSDP2 may re-create them, e.g. in a model's load_state_dict)."""
+        return [local_tensor(p) for p in self.params]
+
+    def squared_norm(self, shard: Tensor) -> Tensor:
+        """The squared 2-norm of this rank's chunk ``shard`` of a gradient, in float64, a
+        parameter replicated over an inner dimension weighted by one over its copies."""
+        total = shard.double().square().sum()
+        if self.norm_weights is None:
+            return total
+        start, _ = self.plan.rank_range(self.rank)
+        for index, offset, length in self._chunk_pieces():
+            weight = self.norm_weights[index]
+            if weight != 1.0:
+                piece = shard[offset - start : offset - start + length].double()
+                total = total - (1.0 - weight) * piece.square().sum()
+        return total
 
     def _views(self, buffer: Tensor) -> list[Tensor]:
         return [buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.plan.slots]
@@ -282,7 +317,7 @@ class ShardedGroup:
             start, _ = self.plan.rank_range(self.rank)
             with torch.no_grad():
                 for index, offset, length in self._chunk_pieces():
-                    self.params[index].data.view(-1)[offset - self.plan.slots[index].offset :][:length].copy_(
+                    self.locals()[index].view(-1)[offset - self.plan.slots[index].offset :][:length].copy_(
                         values[offset - start : offset - start + length]
                     )
 
@@ -299,13 +334,14 @@ class ShardedGroup:
 
     def _params_to_shard(self, shard: Tensor) -> None:
         start, _ = self.plan.rank_range(self.rank)
+        values = self.locals()
         shard.zero_()  # padding
         pieces = self._chunk_pieces()
         if pieces:
             torch._foreach_copy_(
                 [shard[offset - start : offset - start + length] for _, offset, length in pieces],
                 [
-                    self.params[index].detach().reshape(-1)[offset - self.plan.slots[index].offset :][:length]
+                    values[index].detach().reshape(-1)[offset - self.plan.slots[index].offset :][:length]
                     for index, offset, length in pieces
                 ],
             )
@@ -385,7 +421,7 @@ class ShardedGroup:
     def initial_values(self) -> Tensor:
         """The live parameters as one padded flat buffer in the master dtype."""
         values = torch.zeros(self.plan.padded_numel, dtype=self.master_dtype, device=self.device)
-        torch._foreach_copy_(self._views(values), [p.detach() for p in self.params])
+        torch._foreach_copy_(self._views(values), [p.detach() for p in self.locals()])
         return values
 
     def set_initial_values(self, values: Tensor) -> None:
@@ -395,41 +431,42 @@ class ShardedGroup:
         if not self.master_in_params:
             self._master.copy_(values[start:stop])
         with torch.no_grad():
-            for param, value in zip(self.params, self._views(values)):
+            for index, (param, value) in enumerate(zip(self.locals(), self._views(values))):
                 if param.dtype == self.param_dtype:
                     param.copy_(value)
-                else:
-                    param.data = value.to(self.param_dtype)
+                else:  # plain parameters only: options refuse a param_dtype for DTensors
+                    self.params[index].data = value.to(self.param_dtype)
 
     def gather_from_delta(self, rows: Tensor, scales: Tensor) -> None:
         """``gathered`` = the live parameters + every rank's dequantized delta (row ``r``:
         rank ``r``'s chunk). For the light estimate round, whose live parameters are the
         committed ones on every rank; one chunk-sized fp32 temporary at a time."""
         with torch.no_grad():
-            torch._foreach_copy_(self._views(self.gathered), [p.detach() for p in self.params])
+            torch._foreach_copy_(self._views(self.gathered), [p.detach() for p in self.locals()])
         chunks = self.gathered.view(self.plan.world_size, -1)
         for chunk, row, scale in zip(chunks, rows, scales):
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
 
     def set_live_aside(self) -> None:
         """Keep a copy of the live parameters (``eval()``, before loading the committed ones)."""
-        self._live_aside = [p.detach().clone() for p in self.params]
+        self._live_aside = [p.detach().clone() for p in self.locals()]
 
     def take_live_back(self, restore: bool) -> None:
         """Drop the copy :meth:`set_live_aside` kept, first writing it back with ``restore``."""
         aside, self._live_aside = self._live_aside, None
         if restore and aside is not None:
             with torch.no_grad():
-                torch._foreach_copy_([p.data for p in self.params], aside)
+                torch._foreach_copy_([p.detach() for p in self.locals()], aside)
 
     def load_params_from_buffer(self) -> None:
         """Copy ``gathered`` into the live parameters: the only write to them.
 
         Single-buffered, ``gathered`` is the accumulator: it is zeroed here, for the next
-        round's gradients.
+        round's gradients. DTensor parameters are written in place in their local tensors,
+        which FSDP2's next all-gather reads.
         """
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self._views(self.gathered))
+            torch._foreach_copy_([p.detach() for p in self.locals()], self._views(self.gathered))
         if not self.double_buffered:
             self.grad_accumulator.zero_()
 
@@ -446,7 +483,7 @@ class ShardedGroup:
 
     def check_params_unchanged(self, number: int) -> None:
         """RuntimeError when a parameter's shape or dtype changed since construction."""
-        for index, (param, slot) in enumerate(zip(self.params, self.plan.slots)):
+        for index, (param, slot) in enumerate(zip(self.locals(), self.plan.slots)):
             if param.shape != slot.shape or param.dtype != self.param_dtype:
                 raise RuntimeError(
                     f"parameter {index} of group {number} changed to {tuple(param.shape)} {param.dtype} after "

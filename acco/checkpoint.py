@@ -22,17 +22,18 @@ import pickle
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 
+from acco.mesh import is_dtensor
 from acco.optim import AccoOptimizer
-from acco.layout import Layout, ShardPlan, plan_layout
+from acco.portable import canonical, rank_group_state, rank_round, round_sums, to_portable
 
 __all__ = ["full_state_dict", "latest_checkpoint", "load", "reshard", "save"]
 
@@ -69,6 +70,8 @@ def save(
     """
     final = Path(directory)
     partial = final.with_name(final.name + _PARTIAL)
+    if optimizer.on_mesh:
+        return _save_portable(final, partial, optimizer, model, extra, keep)
     comm = optimizer.collectives
     if comm.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -124,6 +127,8 @@ def load(
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as error:
         raise ValueError(f"{path} is not a readable acco checkpoint: {error}") from error
     entries = metadata.state_dict_metadata
+    if f"{_PORTABLE}.skeleton" in entries:
+        return _load_portable(path, entries, optimizer, model)
     ranks = sorted(int(k.split(".")[1][4:]) for k in entries if k.startswith("acco.rank") and k.endswith(".skeleton"))
     if not ranks or ranks != list(range(len(ranks))):
         raise ValueError(f"{path} holds no complete acco optimizer state (ranks found: {ranks})")
@@ -131,23 +136,32 @@ def load(
     # Allocate every tensor entry we need (never the pickled "bytes" entries), then read.
     wanted = [k for k in entries if k.startswith(("acco.", "extra.")) or (model is not None and k.startswith("model."))]
     state: dict[str, Tensor] = {}
+    # A model with DTensor parameters reads the whole saved tensors into its own blocks.
+    dtensors = {f"model.{k}": v for k, v in (model.state_dict() if model is not None else {}).items() if is_dtensor(v)}
     for key in wanted:
         entry = entries[key]
         if not isinstance(entry, dcp.metadata.TensorStorageMetadata):
             raise ValueError(f"{path}: entry {key!r} is not a tensor; refusing to unpickle it")
-        state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        if key in dtensors and tuple(dtensors[key].shape) == tuple(entry.size):
+            state[key] = dtensors[key].detach().clone()
+        else:
+            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer, mesh=optimizer.on_mesh))
     except (Exception, CheckpointException) as error:  # DCP's own exception is a BaseException
         raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
     for r in ranks:
         for key, digest in json.loads(bytes(state[f"acco.rank{r}.digests"].tolist()).decode()).items():
-            if key in state and _digest(state[key]) != digest:
+            if key in state and not is_dtensor(state[key]) and _digest(state[key]) != digest:
                 raise ValueError(f"{path}: entry {key!r} is corrupted (checksum mismatch)")
 
     saved = [_unflatten(state, f"acco.rank{r}") for r in ranks]
-    target = reshard(saved, optimizer) if _needs_reshard(saved, optimizer) else saved[optimizer.rank]
+    if optimizer.on_mesh:  # whole tensors from flat ranks, cut to this rank's DTensor blocks
+        shapes = [[torch.empty(shape, device="meta") for shape in g["shapes"]] for g in saved[0]["acco"]["groups"]]
+        target = to_portable(saved, shapes)
+    else:
+        target = reshard(saved, optimizer) if _needs_reshard(saved, optimizer) else saved[optimizer.rank]
     optimizer.check_state_dict(target)  # the checks load_state_dict runs, before the model changes
     model_state = None
     if model is not None:
@@ -160,6 +174,119 @@ def load(
     own = f"extra.rank{optimizer.rank}"
     prefix = own if any(k.startswith(own + ".") for k in state) else "extra.rank0"
     return _unflatten(state, prefix) if any(k.startswith(prefix + ".") for k in state) else {}
+
+
+_PORTABLE = "acco.portable"
+
+
+def _save_portable(
+    final: Path, partial: Path, optimizer: AccoOptimizer, model: nn.Module | None, extra: Mapping[str, Any] | None,
+    keep: int | None,
+) -> Path:
+    """:func:`save` with DTensor parameters: the portable state dict (one DTensor per
+    parameter and state entry, at its global offsets) and the model's state dict, written
+    by every rank of the mesh (DCP stores each block once). Collective over the default group."""
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    portable = optimizer.state_dict()
+    state: dict[str, Any] = {}
+    skeleton: dict[str, Any] = {"param_groups": portable["param_groups"], "state": {}}
+    for pid, entry in portable["state"].items():
+        skeleton["state"][str(pid)] = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                state[f"{_PORTABLE}.{pid}.{key}"] = value
+                skeleton["state"][str(pid)][key] = {"tensor": True}
+            else:  # a scalar (Adam's step): the same on every rank
+                skeleton["state"][str(pid)][key] = {"value": value.item() if isinstance(value, Tensor) else value,
+                                                    "dtype": str(value.dtype) if isinstance(value, Tensor) else None}
+    state[f"{_PORTABLE}.skeleton"] = _json_tensor(skeleton)
+    if model is not None:
+        for name, value in model.state_dict().items():
+            state[f"model.{name}"] = value.detach()
+    if extra is not None:
+        _flatten_into(state, f"extra.rank{rank}", dict(extra))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _write_atomically(final.parent / _LATEST, final.name)
+        if keep is not None:
+            _prune(final.parent, keep, final)
+    dist.barrier()
+    return final
+
+
+def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimizer, model: nn.Module | None) -> dict[str, Any]:
+    """:func:`load` of a checkpoint written by :func:`_save_portable`, into any layout: each
+    entry is read into a tensor shaped like this rank's parameter (a DTensor with its mesh
+    and placements, or the whole tensor), DCP resharding it."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    head = torch.empty(entries[f"{_PORTABLE}.skeleton"].size, dtype=torch.uint8)
+    state: dict[str, Any] = {f"{_PORTABLE}.skeleton": head}
+    for key, entry in entries.items():
+        if not isinstance(entry, dcp.metadata.TensorStorageMetadata):
+            raise ValueError(f"{path}: entry {key!r} is not a tensor; refusing to unpickle it")
+        if key.startswith(f"{_PORTABLE}.") and not key.endswith(".skeleton"):
+            pid = int(key.split(".")[2])
+            if pid >= len(params):
+                raise ValueError(f"{path}: the checkpoint holds more parameters than this optimizer ({len(params)})")
+            state[key] = _template(params[pid], entry, key, path)
+        elif key.startswith("extra."):
+            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    model_keys: dict[str, str] = {}
+    if model is not None:
+        for name, value in model.state_dict().items():
+            key = f"model.{name}"
+            if key not in entries or tuple(entries[key].size) != tuple(value.shape):
+                raise ValueError(f"{path}: the saved model does not match this model ({name})")
+            state[key] = value.detach().clone()
+            model_keys[key] = name
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer, mesh=True))
+    except (Exception, CheckpointException) as error:  # DCP's own exception is a BaseException
+        raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
+    skeleton = json.loads(bytes(state[f"{_PORTABLE}.skeleton"].tolist()).decode())
+    portable: dict[str, Any] = {"param_groups": skeleton["param_groups"], "state": {}}
+    for pid, keys in skeleton["state"].items():
+        entry = {}
+        for key, how in keys.items():
+            if how.get("tensor"):
+                entry[key] = state[f"{_PORTABLE}.{pid}.{key}"]
+            elif how["dtype"] is not None:
+                entry[key] = torch.tensor(how["value"], dtype=getattr(torch, how["dtype"].removeprefix("torch.")))
+            else:
+                entry[key] = how["value"]
+        portable["state"][int(pid)] = entry
+    target = portable
+    optimizer.check_state_dict(target)
+    if model is not None:
+        model.load_state_dict({name: state[key] for key, name in model_keys.items()})
+    optimizer.load_state_dict(target)
+    own = f"extra.rank{_global_rank()}"
+    prefix = own if any(k.startswith(own + ".") for k in state) else "extra.rank0"
+    return _unflatten(state, prefix) if any(k.startswith(prefix + ".") for k in state) else {}
+
+
+def _template(param: Tensor, entry: Any, key: str, path: Path) -> Tensor:
+    """Where DCP reads one per-parameter entry: shaped like ``param`` (a DTensor's block)."""
+    if tuple(entry.size) != tuple(param.shape):
+        raise ValueError(f"{path}: {key} has shape {tuple(entry.size)}, this parameter {tuple(param.shape)}")
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty(param.to_local().shape, dtype=entry.properties.dtype, device=param.device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())  # fmt: skip
+    return torch.empty(entry.size, dtype=entry.properties.dtype)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -189,7 +316,7 @@ def full_state_dict(optimizer: AccoOptimizer) -> dict[str, Any] | None:
     if gathered is None:
         return None
     saved = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
-    groups = [_canonical(saved, index) for index in range(len(saved[0]["acco"]["groups"]))]
+    groups = [canonical(saved, index) for index in range(len(saved[0]["acco"]["groups"]))]
     return {
         "param_groups": saved[0]["param_groups"],
         "num_updates": saved[0]["acco"]["num_updates"],
@@ -234,16 +361,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 # --------------------------------------------------------------------- resharding
 
 
-@dataclass
-class _CanonicalGroup:
-    """One param group's state per parameter, independent of world size and layout."""
-
-    master: list[Tensor]
-    state: list[dict[str, Any]]
-    in_flight: list[Tensor] | None
-    grad_sum: list[Tensor]
-
-
 def reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> dict[str, Any]:
     """``optimizer``'s own state dict, re-partitioned from every old rank's state dict."""
     first = saved[0]["acco"]
@@ -257,27 +374,11 @@ def reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> dict[str, 
         old = first["groups"][index]
         if [list(s.shape) for s in plan.slots] != old["shapes"]:
             raise ValueError(f"param group {index}: the checkpoint's parameter shapes differ from this model's")
-        canonical = _canonical(saved, index)
-        groups.append(
-            {
-                **{k: old[k] for k in ("optimizer_class", "param_dtype", "reduce_dtype", "shapes")},
-                "layout": plan.layout.value,
-                "chunk": plan.chunk,
-                "master": _shard(plan, rank, canonical.master, torch.float32 if old["master"].dtype != torch.float64
-                                 else torch.float64),
-                "base_state": _shard_state(plan, rank, canonical.state),
-                "in_flight_result": None
-                if canonical.in_flight is None
-                else _shard(plan, rank, canonical.in_flight, old["in_flight_result"].dtype),
-                "grad_accumulator": _full(plan, canonical.grad_sum, old["grad_accumulator"].dtype)
-                if rank == 0
-                else torch.zeros(plan.padded_numel, dtype=old["grad_accumulator"].dtype),
-            }
-        )
-    round_ = dict(first["round"])
-    for key in ("pending_weight", "round_weight", "pending_micro_batches", "round_micro_batches"):
-        total = sum(s["acco"]["round"][key] for s in saved)
-        round_[key] = total if rank == 0 else type(total)(0)
+        header = {k: old[k] for k in ("optimizer_class", "param_dtype", "reduce_dtype", "shapes")}
+        dtypes = {"master": old["master"].dtype, "grad_accumulator": old["grad_accumulator"].dtype,
+                  "in_flight_result": None if old["in_flight_result"] is None else old["in_flight_result"].dtype}
+        groups.append(rank_group_state(canonical(saved, index), plan, rank, header, dtypes))
+    round_ = rank_round(round_sums(saved), rank)
     return {
         "state": {},
         "param_groups": saved[0]["param_groups"],
@@ -289,65 +390,6 @@ def _needs_reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> boo
     first = saved[0]["acco"]
     layouts = [g["layout"] for g in first["groups"]]
     return len(saved) != optimizer.world_size or layouts != [p.layout.value for p in optimizer.shard_plans]
-
-
-def _canonical(saved: list[dict[str, Any]], index: int) -> _CanonicalGroup:
-    groups = [s["acco"]["groups"][index] for s in saved]
-    first = groups[0]
-    plan = plan_layout(Layout(first["layout"]), first["shapes"], len(saved))
-    master = _per_param(plan, torch.cat([g["master"] for g in groups]))
-    in_flight = None
-    if first["in_flight_result"] is not None:
-        in_flight = _per_param(plan, torch.cat([g["in_flight_result"] for g in groups]))
-    grad_sum = _per_param(plan, torch.stack([g["grad_accumulator"] for g in groups]).sum(0))
-    state: list[dict[str, Any]] = [{} for _ in plan.slots]
-    if plan.layout is Layout.FLAT:
-        for key in {k for g in groups for s in g["base_state"].values() for k in s}:
-            values = [g["base_state"].get(0, {}).get(key) for g in groups]
-            if all(isinstance(v, Tensor) and v.shape == (plan.chunk,) for v in values):
-                for i, value in enumerate(_per_param(plan, torch.cat(values))):
-                    state[i][key] = value
-            else:  # a per-shard scalar such as Adam's step: the same on every rank
-                present = next(v for v in values if v is not None)
-                for i in range(len(plan.slots)):
-                    state[i][key] = present
-    else:
-        for rank, group in enumerate(groups):
-            for local, param_index in enumerate(plan.owned(rank)):
-                state[param_index] = dict(group["base_state"].get(local, {}))
-    return _CanonicalGroup(master, state, in_flight, grad_sum)
-
-
-def _per_param(plan: ShardPlan, full: Tensor) -> list[Tensor]:
-    return [full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in plan.slots]
-
-
-def _full(plan: ShardPlan, values: list[Tensor], dtype: torch.dtype) -> Tensor:
-    full = torch.zeros(plan.padded_numel, dtype=dtype)
-    for slot, value in zip(plan.slots, values):
-        full[slot.offset : slot.offset + slot.numel] = value.reshape(-1)
-    return full
-
-
-def _shard(plan: ShardPlan, rank: int, values: list[Tensor], dtype: torch.dtype) -> Tensor:
-    start, stop = plan.rank_range(rank)
-    return _full(plan, values, dtype)[start:stop].clone()
-
-
-def _shard_state(plan: ShardPlan, rank: int, state: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    if plan.layout is Layout.TENSOR:
-        return {local: dict(state[i]) for local, i in enumerate(plan.owned(rank)) if state[i]}
-    keys = {k for s in state for k in s}
-    if not keys:
-        return {}
-    shard: dict[str, Any] = {}
-    for key in keys:
-        values = [s.get(key) for s in state]
-        if all(isinstance(v, Tensor) and v.shape == slot.shape for v, slot in zip(values, plan.slots)):
-            shard[key] = _shard(plan, rank, values, values[0].dtype)
-        else:
-            shard[key] = next(v for v in values if v is not None)
-    return {0: shard}
 
 
 # ------------------------------------------------------------ tensors-only storage
@@ -410,7 +452,9 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _dcp_group(optimizer: AccoOptimizer) -> dict[str, Any]:
+def _dcp_group(optimizer: AccoOptimizer, mesh: bool = False) -> dict[str, Any]:
+    if mesh and dist.is_available() and dist.is_initialized():
+        return {}  # every rank of the mesh: the default group
     if optimizer.collectives.active:
         return {"process_group": optimizer.collectives.group}
     return {"no_dist": True}

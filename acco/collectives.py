@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,34 @@ class Collectives:
         group = dist.new_group(ranks, timeout=timeout, backend=self.backend, use_local_synchronization=True)
         return Collectives(group)
 
+    def new_group(self, ranks: list[int], timeout: datetime.timedelta) -> Collectives:
+        """A private group over ``ranks`` (global ranks; this rank among them), for the comm
+        lane's sums over a whole mesh. Every rank in ``ranks`` must call it."""
+        if not (dist.is_available() and dist.is_initialized()) or len(ranks) <= 1:
+            return Collectives(None)
+        group = dist.new_group(ranks, timeout=timeout, backend=self.backend, use_local_synchronization=True)
+        return Collectives(group)
+
+    def group_ranks(self) -> list[int]:
+        """The global ranks of this group ([this rank] without one)."""
+        if self.group is None:
+            return [self.global_rank()]
+        return list(dist.get_process_group_ranks(self.group))
+
+    @staticmethod
+    def global_rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), in group rank order."""
+        if not self.active:
+            return [list(values)]
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [t.tolist() for t in every]
+
     # Tests only: issue the collectives even in a group of one rank (e.g. to run NCCL from
     # the comm lane's thread on a machine with one GPU).
     communicate_alone: bool = False
@@ -115,6 +144,14 @@ class Collectives:
         if received is None:
             return None
         return [bytes(r[: int(s.item())].cpu().tolist()) for r, s in zip(received, sizes)]
+
+    def all_gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable: tensors and plain values), in group rank order."""
+        if not self.active:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value, group=self.group)
+        return every
 
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> None:
         """``output`` = this rank's chunk of the sum of ``input`` over ranks.

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from acco.buffers import ShardedGroup
+from acco.mesh import is_dtensor
 
 __all__ = ["GradFolder", "WeightSum", "checked_weight", "fold_grads"]
 
@@ -90,6 +91,8 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` is ``b`` or ``b``'s memory (a gradient view of the accumulator)."""
     if a is b:
         return True  # also an empty view, whose memory cannot be told apart
+    if is_dtensor(a):
+        return False  # a DTensor's gradient is FSDP2's or autograd's, never acco's view
     if a.is_sparse or a.numel() == 0:
         return False  # empty tensors may all share one null pointer
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
@@ -140,7 +143,9 @@ class GradFolder:
             self._fold_weight = None if explicit else 1.0
             if not explicit:  # equal weights: p.grad becomes a view where the dtypes allow
                 for g, group in enumerate(self._groups):
-                    if group.reduce_dtype == group.param_dtype:  # autograd needs p.grad in the param dtype
+                    # Autograd needs p.grad in the param dtype; a DTensor's gradient is made by
+                    # FSDP2 or DTensor's autograd, never a view: the hooks fold those.
+                    if group.reduce_dtype == group.param_dtype and not group.has_dtensors:
                         self._attach(g)
 
     @contextmanager
@@ -286,10 +291,12 @@ class GradFolder:
         if not _same_memory(grad, view):  # else autograd already added into the view
             if grad.is_sparse:
                 raise TypeError("acco does not support sparse gradients")
+            grad, scale = _local_grad(group, index)
             if isinstance(weight, Tensor):  # a weight on the device: never read on the host
-                view.add_(grad.detach().mul_(_scale_for(grad, weight)))
+                grad = grad.detach().mul_(_scale_for(grad, weight))
+                view.add_(grad, alpha=scale)
             else:
-                view.add_(grad.detach(), alpha=weight)
+                view.add_(grad.detach(), alpha=weight * scale)
             param.grad = view if self._views[g] else None
         self._folded = weight
 
@@ -297,15 +304,19 @@ class GradFolder:
 def fold_grads(group: ShardedGroup, weight: float | Tensor) -> bool:
     """Add ``weight * p.grad`` into the accumulator and drop ``p.grad``; returns whether
     any parameter had a gradient. ``weight`` may be a 0-dim device tensor."""
-    targets, grads = [], []
-    for param, view in zip(group.params, group.accumulator_views()):
+    targets, grads, scales = [], [], []
+    for index, (param, view) in enumerate(zip(group.params, group.accumulator_views())):
         if param.grad is None or _same_memory(param.grad, view):
             continue  # unused in this micro-batch (contributes zero), or already in place
         if param.grad.is_sparse:
             raise TypeError("acco does not support sparse gradients")
+        grad, scale = _local_grad(group, index)
         targets.append(view)
-        grads.append(param.grad)
+        grads.append(grad)
+        scales.append(scale)
         param.grad = None
+    if any(scale != 1.0 for scale in scales):  # FSDP2 with a gradient divide factor
+        torch._foreach_mul_(grads, scales)
     if targets and isinstance(weight, Tensor):
         # p.grad is consumed anyway: scale it in place, in fp32 at least.
         torch._foreach_mul_(grads, _scale_for(grads[0], weight))
@@ -313,6 +324,15 @@ def fold_grads(group: ShardedGroup, weight: float | Tensor) -> bool:
     elif targets:
         torch._foreach_add_(targets, grads, alpha=weight)
     return bool(targets)
+
+
+def _local_grad(group: ShardedGroup, index: int) -> tuple[Tensor, float]:
+    """Parameter ``index``'s gradient as acco folds it (a DTensor's local tensor) and the
+    factor that makes it the replica group's mean."""
+    mesh = group.mesh_params[index]
+    if mesh is None:
+        return group.params[index].grad, 1.0
+    return mesh.local_grad(), mesh.grad_scale()
 
 
 def _fold_hook(folder_ref: weakref.ReferenceType, g: int, index: int, param: Tensor) -> None:

@@ -27,6 +27,8 @@ from torch.profiler import record_function
 from acco.buffers import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
+from acco.mesh import InnerMesh
+from acco.portable import from_portable, is_portable, rank_round, round_sums, to_portable
 from acco.lane import make_lane
 from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
 from acco.layout import Layout, ShardPlan
@@ -139,24 +141,45 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, estimate_dtype
         self._comm = Collectives.from_user_group(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
-        self._sealed = False
-        super().__init__(groups, base_defaults)
-        self._sealed = True
-        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size)
-        self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         if isinstance(params, nn.Module) and module is not None and module is not params:
             raise ValueError("module= names another model than params: pass the model once, as params or as module")
         module = params if isinstance(params, nn.Module) else module
+        inner = InnerMesh([p for g in groups for p in g["params"]], module, self._comm)
+        inner.check(groups, param_dtype)
+        self._sealed = False
+        super().__init__(groups, base_defaults)
+        self._sealed = True
+        self._mesh = inner.active
+        self.replica_size = inner.replica_size  # ranks of a replica group (FSDP2 / TP inside), 1 if flat
+        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size, inner if self._mesh else None)
+        if self._mesh:
+            # torch's get_optimizer_state_dict steps an optimizer whose `state` is empty to
+            # create it; acco's state lives in its shards, so each parameter gets an entry.
+            for group in self.param_groups:
+                for param in group["params"]:
+                    self.state[param] = {"sharded_by": "acco"}
+        self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
         self._buffer_sync = buffer_sync_for(module, options.buffer_policy, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
         names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
         start_identical(self._groups, self._comm, options, names, self._buffer_sync)
         self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
+        mesh_comm = None  # with DTensor parameters: the lane's group over the whole mesh
+        if inner.active:
+            inner.gather_ranks(self._comm)
+            if inner.ranks != sorted(self._comm.group_ranks()):
+                mesh_comm = self._comm.new_group(inner.ranks, timeout)
+        # ready() on a mesh: a replica group's ranks must agree (FSDP2 reduce-scatters in
+        # every backward, so they must run the same number of micro-batches).
+        self._replica_comm = self._comm.new_group(inner.replica_ranks, timeout) if inner.replica_size > 1 else None
         self._lane = make_lane(self._groups[0].device)
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._lane.close, 0.0, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._runner = RoundRunner(self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options, self._buffer_sync)
+        self._runner = RoundRunner(
+            self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options,
+            self._buffer_sync, mesh_collectives=mesh_comm, replica_size=inner.replica_size,
+        )  # fmt: skip
         self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False
@@ -224,8 +247,19 @@ class AccoOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def ready(self) -> bool:
-        """Whether ``step()`` would return without waiting for the comm lane. Never blocks."""
-        return self._schedule.in_flight is None or self._schedule.in_flight.future.done()
+        """Whether ``step()`` would return without waiting for the comm lane. Never blocks
+        on the lane.
+
+        On a mesh with several ranks per replica group (FSDP2 or TP inside) it answers for
+        the whole group, through one small all-reduce over it on the training thread:
+        those ranks must run the same number of micro-batches.
+        """
+        done = self._schedule.in_flight is None or self._schedule.in_flight.future.done()
+        if self._replica_comm is None:
+            return done
+        waiting = torch.tensor([0.0 if done else 1.0], device=self._groups[0].device)
+        self._replica_comm.all_reduce_max_(waiting)
+        return not bool(waiting.item())
 
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """End the round: land the round in flight, hand this round's gradients over.
@@ -320,6 +354,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         """The kind of the round on the comm lane (None in ``sync`` mode or before the first
         ``step()``), the same on every rank; a commit adds one to ``num_updates`` once it lands."""
         return None if self._schedule.in_flight is None else self._schedule.in_flight.kind
+
+    @property
+    def on_mesh(self) -> bool:
+        """Whether parameters are DTensors (FSDP2 or tensor parallelism inside a replica
+        group): ``state_dict()`` is then the portable form (:mod:`acco.portable`)."""
+        return self._mesh
 
     @property
     def collectives(self) -> Collectives:
@@ -444,22 +484,45 @@ class AccoOptimizer(torch.optim.Optimizer):
         round_ = self._schedule.in_flight
         if round_ is not None:
             self._schedule.wait(round_)
-        return build_state_dict(
+        own = build_state_dict(
             self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
             world_size=self.world_size, round_state=self._schedule.state_dict(),
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
                     "committed_weight": self.committed_weight},
             buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
         )  # fmt: skip
+        if not self._mesh:
+            return own
+        # DTensor parameters: the portable form, which DCP reshards to any mesh. Collective.
+        saved = self._comm.all_gather_objects(own)
+        self._pending_to_rank_zero(saved)
+        return to_portable(saved, [g["params"] for g in self.param_groups], self.replica_size)
+
+    def _pending_to_rank_zero(self, saved: list[dict[str, Any]]) -> None:
+        """Hold the pending gradients and weights as a load of the portable state would:
+        their sums on rank 0, nothing elsewhere, so a run that saved and a run that loaded
+        continue bit for bit alike."""
+        for index, group in enumerate(self._groups):
+            if self.rank == 0:
+                group.grad_accumulator.copy_(torch.stack([s["acco"]["groups"][index]["grad_accumulator"] for s in saved]).sum(0))
+            else:
+                group.grad_accumulator.zero_()
+        self._schedule.load_state_dict(rank_round(round_sums(saved), self.rank))
 
     def check_state_dict(self, state_dict: Any) -> None:
         """``ValueError`` naming the first mismatch when ``state_dict`` does not fit this
         optimizer (mode, rank and world size, layouts, shapes, dtypes); changes nothing."""
         check_state_dict(
-            state_dict, mode=self.mode.value, rank=self.rank, world_size=self.world_size,
+            self._own_form(state_dict), mode=self.mode.value, rank=self.rank, world_size=self.world_size,
             param_groups=self.param_groups, groups=self._groups,
             buffer_sync=self._buffer_sync,
         )  # fmt: skip
+
+    def _own_form(self, state_dict: Any) -> Any:
+        """This rank's own state dict, from a portable one (any layout) or as given."""
+        if not is_portable(state_dict):
+            return state_dict
+        return from_portable(state_dict, self.param_groups, self._groups, self.rank, self.world_size, self.replica_size)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` with the same world size and layouts.
@@ -472,6 +535,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             all-gathered again on the comm lane): every rank must call it.
         """
         self._check_usable("load_state_dict")
+        state_dict = self._own_form(state_dict)
         if self._schedule.in_flight is not None or self._schedule.launched or self._schedule.pending.micro_batches:
             raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
         self.check_state_dict(state_dict)

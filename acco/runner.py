@@ -38,6 +38,10 @@ class RoundRunner:
         recorder: where the round's phases are stamped.
         options: ``nonfinite``, ``max_grad_norm``, ``estimate_dtype``, ``timeout``.
         buffer_sync: the module buffers a round's snapshot is synchronised for, if any.
+        mesh_collectives: with DTensor parameters, the comm lane's group over every rank of
+            the mesh, for the sums that span it (weights, non-finite flags, the gradient
+            norm); ``collectives`` otherwise.
+        replica_size: ranks per replica group, which all pass the same weights (counted once).
     """
 
     def __init__(
@@ -49,8 +53,12 @@ class RoundRunner:
         recorder: StatsRecorder,
         options: Options,
         buffer_sync: BufferSync | None = None,
+        mesh_collectives: Collectives | None = None,
+        replica_size: int = 1,
     ) -> None:
         self._groups = list(groups)
+        self._mesh_comm = collectives if mesh_collectives is None else mesh_collectives
+        self._replica_size = replica_size
         self._base = list(base_optimizers)
         self._comm = collectives
         self._device_hooks = device_hooks
@@ -141,7 +149,9 @@ class RoundRunner:
         local = self._local_totals(round_)
         read_local = self._device_hooks.host_copy(local)
         totals = local.clone()
-        self._comm.all_reduce_sum_(totals)
+        self._mesh_comm.all_reduce_sum_(totals)
+        if self._replica_size > 1:  # every rank of a replica group counted its weights
+            totals[[0, 1, 2, 4]] /= self._replica_size
         _, stats.local_weight, _, _, _ = read_local(limit).tolist()
         update_weight, global_weight, global_micro_batches, nonfinite, invalid = (
             self._device_hooks.host_copy(totals)(limit).tolist()
@@ -185,16 +195,17 @@ class RoundRunner:
         Runs on every rank once the all-reduced flags say some rank's sum was not finite.
         """
         exact = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().double().reshape(1)
-        self._comm.all_reduce_sum_(exact)
+        self._mesh_comm.all_reduce_sum_(exact)
         return int(self._device_hooks.host_copy(exact)(self._options.timeout.total_seconds()).item())
 
     def _clip(self, max_norm: float) -> Tensor:
         """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` would on the full gradient; returns the norm
-        before clipping, on the device. One all-reduce of the squared shard norms; the scale
+        before clipping, on the device. One all-reduce of the squared shard norms (over the
+        whole mesh with DTensor parameters, a replicated one counted once); the scale
         is computed on the device, so nothing waits for the reduce-scatter on the host."""
-        squares = torch.stack([g.master_grad.double().square().sum() for g in self._groups]).sum().reshape(1)
-        self._comm.all_reduce_sum_(squares)
+        squares = torch.stack([g.squared_norm(g.master_grad) for g in self._groups]).sum().reshape(1)
+        self._mesh_comm.all_reduce_sum_(squares)
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for group in self._groups:

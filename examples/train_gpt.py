@@ -22,6 +22,12 @@ while the round in flight is not done instead of idling:
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --slowdown 1:3 --accumulate-while-waiting
 
+Large models: FSDP2 (or tensor parallelism) inside each replica group, acco across them.
+Four processes as 2 replica groups of 2 ranks (``--mesh RxS``, R*S = the world size):
+
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --mesh 2x2 --inner fsdp
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --mesh 2x2 --inner tp
+
 Checkpoints every 50 updates, resumed automatically (also after a rank is killed):
 
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --ckpt-dir runs/ckpt
@@ -47,7 +53,6 @@ import os
 import statistics
 import sysconfig
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--accumulate-while-waiting", action="store_true",
         help="keep accumulating micro-batches until the round in flight has landed (heterogeneous ranks)")
     add("--slowdown", default=None, metavar="RANK:FACTOR", help="make one rank FACTOR times slower, e.g. 1:3")
+    add("--mesh", default=None, metavar="RxS",
+        help="R replica groups of S ranks: --inner inside each group, acco across groups (R*S = world size)")
+    add("--inner", choices=["fsdp", "tp"], default="fsdp",
+        help="with --mesh: FSDP2 fully_shard per block, or tensor parallelism of each block's MLP")
     add("--ckpt-dir", default=None, help="save checkpoints here and resume from the newest one")
     add("--ckpt-every", type=int, default=50, help="checkpoint every this many updates")
     add("--save-final", default=None, help="rank 0 saves the final model state dict here")
@@ -102,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--micro-batches-per-update and --updates must be positive")
     if args.n_embd % args.n_head:
         parser.error("--n-embd must be a multiple of --n-head")
+    if args.mesh is not None:
+        try:
+            args.mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
+        except ValueError:
+            parser.error(f"--mesh {args.mesh}: expected RxS, e.g. 2x2")
+        if len(args.mesh) != 2 or min(args.mesh) < 1:
+            parser.error(f"--mesh {args.mesh}: expected RxS with R, S >= 1, e.g. 2x2")
     if args.data is not None and not Path(args.data).exists():
         parser.error(f"--data {args.data}: no such file or directory")
     return args
@@ -447,19 +463,48 @@ def timed(progress: Progress, fn, *args):  # type: ignore[no-untyped-def]
     return result
 
 
+def shard_inside(model: GPT, shape: tuple[int, int], inner: str, ctx: Dist) -> dist.ProcessGroup:
+    """FSDP2 or tensor parallelism inside each of R replica groups of S ranks; returns the
+    group acco reduces across (``mesh["replicate"]``: one rank of each replica group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape[0] * shape[1] != ctx.world_size:
+        raise SystemExit(f"--mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} ranks, torchrun started {ctx.world_size}")
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    if inner == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in model.blocks:  # each MLP split in S column / row blocks; the rest replicated
+            parallelize_module(block.mlp, mesh["shard"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    return mesh["replicate"].get_group()
+
+
 def train(args: argparse.Namespace, ctx: Dist) -> None:
     corpus = load_corpus(args.data, args.max_bytes)
     train_data, held_out = split_corpus(corpus, args.seq_len)
-    generator = torch.Generator().manual_seed(args.seed + ctx.rank)  # each rank its own data
+    # Each rank its own data; under tensor parallelism a replica group's ranks share theirs.
+    data_rank = ctx.rank // args.mesh[1] if args.mesh and args.inner == "tp" else ctx.rank
+    generator = torch.Generator().manual_seed(args.seed + data_rank)
     eval_set = eval_batches(held_out, args.eval_batches, args.batch_size, args.seq_len, args.seed, ctx.device)
     slowdown = parse_slowdown(args.slowdown)
 
     torch.manual_seed(args.seed)  # the same initial model on every rank (acco also broadcasts rank 0's)
     config = GPTConfig(args.n_layer, args.n_embd, args.n_head, args.seq_len)
     model = GPT(config).to(ctx.device)
+    group = None  # acco across every rank
+    if args.mesh is not None:
+        group = shard_inside(model, args.mesh, args.inner, ctx)
     opt = AccoOptimizer(
         param_groups(model, weight_decay=0.1),
         torch.optim.AdamW,
+        process_group=group,
+        module=model,
         mode=args.mode,
         lr=args.lr,
         betas=(0.9, 0.95),
@@ -491,6 +536,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         f"corpus {len(train_data):,} train + {len(held_out):,} held-out bytes | "
         f"{args.updates} updates x {args.micro_batches_per_update} micro-batches x {args.batch_size} sequences "
         f"x {ctx.world_size} rank(s) | {per_round} micro-batches per round"
+        + (f" | mesh {args.mesh[0]}x{args.mesh[1]}, {args.inner} inside" if args.mesh else "")
         + (" (or more, while the round in flight is not done)" if args.accumulate_while_waiting else ""),
     )
     progress = Progress(opt, args.batch_size)

@@ -24,10 +24,10 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
 }
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0, hidden: int = 7) -> nn.Module:
     # Odd sizes: flat chunks cut tensors mid-way and the last chunk is padded.
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(5, hidden), nn.Tanh(), nn.Linear(hidden, 3))
 
 
 def micro_batch(round_: int, rank: int, index: int, size: int = 4) -> tuple[Tensor, Tensor]:
@@ -84,7 +84,7 @@ class Reference:
     """A model and a full base optimizer, stepped by hand."""
 
     def __init__(self, init: Params, optimizer: str | OptimizerFactory, max_norm: float | None = None) -> None:
-        self.model = make_model()
+        self.model = make_model(hidden=init["0.weight"].shape[0])
         self.load(init)
         self.optimizer = _factory(optimizer)(self.model)
         self.max_norm = max_norm
