@@ -24,13 +24,15 @@ import memory
 import profile_lanes
 import throughput
 import time_to_loss
+import two_nodes
 from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 
 __all__ = ["main"]
 
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md")
 # In the order of the runtimes table; results files are named after each one's Benchmark.
-BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap)
+BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
+                                      two_nodes)
 
 
 def generate(results_dir: Path) -> dict[str, str]:

@@ -75,9 +75,9 @@ MESHES = ((1, 4), (2, 2), (4, 1))  # (R, S) of the memory table, on 4 ranks
 # The memory table's model: large enough that buffers dwarf the activations and the padding.
 MEMORY_MODEL = common.ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64, batch_size=1)
 KINDS = ("parameters", "gradients", "accumulator", "hand-over", "all-gather buffer", "master shard",
-         "optimizer state", "estimate copy")
+         "master gradient", "optimizer state", "estimate copy")
 ACCO_BUFFERS = {"grad_accumulator": "accumulator", "grad_handover": "hand-over", "gathered": "all-gather buffer",
-                "master": "master shard", "master_grad": "master shard", "estimate_copy": "estimate copy"}
+                "master": "master shard", "master_grad": "master gradient", "estimate_copy": "estimate copy"}
 MiB = 2**20
 
 
@@ -87,7 +87,7 @@ def label(name: str) -> str:
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--rate", default="200mbit", help="tc rate of the link between the two nodes (each direction)")
+    add("--rate", default="60mbit", help="tc rate of the link between the two nodes (each direction)")
     add("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     add("--budget", type=float, default=60.0, help="seconds of training per method (the same for all)")
     add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
@@ -104,6 +104,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-quiet-wait", type=float, default=120.0,
         help="seconds to wait, before each method, for other processes to leave the CPU")
     add("--phase", choices=["nodes", "memory"], default=None, help=argparse.SUPPRESS)  # set for the rank launches
+    add("--mesh", default="flat", help=argparse.SUPPRESS)  # the memory launch's (R, S): RxS or flat
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -210,10 +211,6 @@ def build(name: str, config: common.ModelConfig, micro_batches_per_update: int, 
             return AccoOnMesh(name, config, micro_batches_per_update, mesh["shard"], mesh["replicate"].get_group())
         return AccoOnMesh(name, config, micro_batches_per_update, None, None)
     except (TypeError, ValueError, NotImplementedError) as error:
-        raise common.UnsupportedMethod(f"{name}: {type(error).__name__}: {error}") from error
-    except RuntimeError as error:  # an acco without DTensor support fails in its first copy, before any collective
-        if "DTensor" not in str(error):
-            raise
         raise common.UnsupportedMethod(f"{name}: {type(error).__name__}: {error}") from error
 
 
@@ -447,43 +444,35 @@ def nodes_rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
 
 
 def memory_rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
-    """acco (mode ``acco``, the most buffers) on each (R, S) mesh of the ranks and flat: the
-    largest rank's bytes per kind, the most before or after a round boundary of the update
-    after ``--memory-updates`` updates."""
-    config, runs = MEMORY_MODEL, []
+    """acco (mode ``acco``, the most buffers) on the ``--mesh`` (R, S) of the ranks, or flat:
+    the largest bytes per kind before or after a round boundary of the update after
+    ``--memory-updates`` updates, and the peak resident memory this process added."""
+    config = MEMORY_MODEL
     next_batch = common.rank_batches(config, ctx.rank)
-    parameters = sum(p.numel() for p in common.build_model(config).parameters())
-    for shape in [*MESHES, None]:
-        name = "flat-acco" if shape is None else "fsdp-acco"
-        mesh = init_device_mesh("cpu", shape or (1, ctx.world_size), mesh_dim_names=("replicate", "shard"))
-        rss_before = peak_rss_reset()
-        try:
-            method = build(name, config, args.micro_batches, mesh)
-        except common.UnsupportedMethod as error:
-            runs.append({"mesh": shape, "method": name, "skipped": str(error)})
-            continue
-        accounts: list[dict[str, Any]] = []
-        for _ in range(args.memory_updates * method.rounds_per_update):
-            common.train_round(method, next_batch)
-        for _ in range(method.rounds_per_update):  # one update measured, before and after each boundary
-            common.train_round(method, next_batch, before_boundary=lambda _: accounts.append(account(method)))
-            accounts.append(account(method))
-        method.finish()
-        mine = {"tensors": largest(accounts), "peak_rss_added_bytes": memory.proc_status_bytes("VmHWM") - rss_before,
-                "local_parameters": sum(local(p).numel() for p in method.model.parameters()),
-                "state_elements": sum(local(s["exp_avg"]).numel() for b in method.base_optimizers()
-                                      for s in b.state.values() if "exp_avg" in s)}
-        method.close()
-        del method
-        gc.collect()
-        per_rank: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(per_rank, mine)
-        runs.append({"mesh": shape, "method": name, "per_rank": per_rank})
-        if ctx.master:
-            worst = max(per_rank, key=lambda r: r["tensors"]["total"])
-            print(f"memory: {'flat' if shape is None else 'mesh %dx%d' % shape} "
-                  f"{worst['tensors']['total'] / MiB:.1f} MiB of tensors per rank", flush=True)
-    return {"ranks": ctx.world_size, "parameters": parameters, "config": config.as_dict(), "runs": runs}
+    shape = None if args.mesh == "flat" else tuple(int(n) for n in args.mesh.split("x"))
+    name = "flat-acco" if shape is None else "fsdp-acco"
+    mesh = init_device_mesh("cpu", shape or (1, ctx.world_size), mesh_dim_names=("replicate", "shard"))
+    rss_before = peak_rss_reset()
+    try:
+        method = build(name, config, args.micro_batches, mesh)
+    except common.UnsupportedMethod as error:
+        return {"mesh": shape, "method": name, "skipped": str(error)}
+    accounts: list[dict[str, Any]] = []
+    for _ in range(args.memory_updates * method.rounds_per_update):
+        common.train_round(method, next_batch)
+    for _ in range(method.rounds_per_update):  # one update measured, before and after each boundary
+        common.train_round(method, next_batch, before_boundary=lambda _: accounts.append(account(method)))
+        accounts.append(account(method))
+    method.finish()
+    mine = {"tensors": largest(accounts), "peak_rss_added_bytes": memory.proc_status_bytes("VmHWM") - rss_before,
+            "local_parameters": sum(local(p).numel() for p in method.model.parameters()),
+            "state_elements": sum(local(s["exp_avg"]).numel() for b in method.base_optimizers()
+                                  for s in b.state.values() if "exp_avg" in s)}
+    method.close()
+    per_rank: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(per_rank, mine)
+    return {"mesh": shape, "method": name, "per_rank": per_rank,
+            "parameters": sum(p.numel() for p in common.build_model(config).parameters())}
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
@@ -526,8 +515,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         results.update(config=previous["config"], command=previous["command"], nodes=previous["nodes"])
     if not args.skip_memory:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the ranks: freed buffers leave the RSS
-        print(f"memory: meshes {', '.join('%dx%d' % m for m in MESHES)} and flat, 4 ranks", flush=True)
-        results["memory"] = common.run_ranks(args, 4, "--phase", "memory")
+        memory_started = time.perf_counter()
+        runs = []
+        for shape in ["%dx%d" % m for m in MESHES] + ["flat"]:  # fresh processes each: their own peak RSS
+            print(f"memory: {shape}, 4 ranks", flush=True)
+            runs.append(common.run_ranks(args, 4, "--phase", "memory", "--mesh", shape))
+        results["memory"] = {"ranks": 4, "parameters": runs[0]["parameters"], "config": MEMORY_MODEL.as_dict(),
+                             "runs": runs, "runtime_s": time.perf_counter() - memory_started}
     elif "memory" in previous:
         results["memory"] = previous["memory"]
     results["runtime_s"] = time.perf_counter() - started
@@ -601,15 +595,16 @@ def memory_table(data: dict[str, Any]) -> str:
         p = data["parameters"]
         scaled.append([name, *[f"{kinds[k] * s / (4 * p):.3f}" for k in ("parameters", "accumulator", "hand-over",
                                                                            "all-gather buffer")],
-                       *[f"{kinds[k] * r * s / (4 * p):.3f}" for k in ("master shard", "optimizer state",
-                                                                        "estimate copy")]])
+                       *[f"{kinds[k] * r * s / (4 * p):.3f}" for k in ("master shard", "master gradient",
+                                                                        "optimizer state", "estimate copy")]])
     return (f"GPT of {data['parameters'] / 1e6:.2f}M parameters (P), fp32, acco mode `acco`, {data['ranks']} ranks; "
             "MiB per rank (the largest rank), the most just before or after a round boundary:\n\n"
             + common.md_table(["mesh", *KINDS, "tensors", "peak RSS added"], rows)
             + "\n\nThe same bytes divided by 4P/S (per-replica-group kinds) or by 4P/(R S) (sharded across every "
               "rank): a kind that falls as 1/S (or 1/(R S)) reads the same on every row (flat acco: R = 4, S = 1):\n\n"
             + common.md_table(["mesh", "parameters x S", "accumulator x S", "hand-over x S", "all-gather buffer x S",
-                               "master shard x RS", "optimizer state x RS", "estimate copy x RS"], scaled))
+                               "master shard x RS", "master gradient x RS", "optimizer state x RS",
+                               "estimate copy x RS"], scaled))
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
