@@ -28,6 +28,7 @@ import datetime
 import gc
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -90,6 +91,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", default="60mbit", help="tc rate of the link between the two nodes (each direction)")
     add("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     add("--budget", type=float, default=60.0, help="seconds of training per method (the same for all)")
+    add("--repeats", type=int, default=2, help="runs of every method, in rotated order; the table shows medians")
     add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=10, help="optimizer updates of linear warm-up, then constant")
@@ -428,19 +430,23 @@ def nodes_rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
                             torch.device("cpu"))
     initial_loss = evaluate(common.build_model(config), eval_set)
     common.warm_up(config, common.batches(train_data, config, 0))
-    runs: dict[str, Any] = {}
-    for name in args.methods:
-        next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)  # the same in every method
-        started = time.perf_counter()
-        runs[name] = r = train_for_budget(name, args, config, mesh, next_batch, eval_set)
-        gc.collect()
-        if ctx.master:
-            print(f"[two nodes] {name:15s} " + (f"skipped: {r['skipped']}" if "skipped" in r else
-                  f"held-out loss {r['final_loss']:.4f} after {r['end_s']:.1f} s, {r['updates']} updates, "
-                  f"{r['samples_per_s']:.1f} samples/s ({time.perf_counter() - started:.0f} s in all)"), flush=True)
+    repeats: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        runs: dict[str, Any] = {}
+        for name in common.rotated(args.methods, repeat):  # no method always first
+            next_batch = common.batches(train_data, config, config.seed + 1000 * ctx.rank)  # the same in every method
+            started = time.perf_counter()
+            runs[name] = r = train_for_budget(name, args, config, mesh, next_batch, eval_set)
+            gc.collect()
+            if ctx.master:
+                print(f"[two nodes, repeat {repeat + 1}] {name:15s} " + (
+                      f"skipped: {r['skipped']}" if "skipped" in r else
+                      f"held-out loss {r['final_loss']:.4f} after {r['end_s']:.1f} s, {r['updates']} updates, "
+                      f"{r['samples_per_s']:.1f} samples/s ({time.perf_counter() - started:.0f} s in all)"), flush=True)
+        repeats.append({name: runs[name] for name in args.methods})
     return {"layout": layout, "links": links, "initial_loss": initial_loss, "ranks": ctx.world_size,
             "rate": os.environ.get("ACCO_BENCH_RATE", "not limited by the benchmark"),
-            "threads_per_rank": torch.get_num_threads(), "methods": runs}
+            "threads_per_rank": torch.get_num_threads(), "repeats": repeats}
 
 
 def memory_rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
@@ -504,7 +510,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "budget_s": args.budget, "micro_batches_per_update": args.micro_batches,
                    "warmup_updates": args.warmup, "schedule": "linear warm-up, then constant",
-                   "eval_batches": args.eval_batches, "rate": args.rate, "nproc_per_node": args.nproc_per_node,
+                   "eval_batches": args.eval_batches, "rate": args.rate, "repeats": args.repeats, "nproc_per_node": args.nproc_per_node,
                    "methods": args.methods, "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/two_nodes.py", *args.argv]),
     }
@@ -525,6 +531,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     elif "memory" in previous:
         results["memory"] = previous["memory"]
     results["runtime_s"] = time.perf_counter() - started
+    common.save(args, results)  # before the tables: a long run keeps its figures whatever happens next
     print(nodes_table(results) if "nodes" in results else "", memory_table(results["memory"])
           if "memory" in results else "", sep="\n\n")
     return results
@@ -538,27 +545,42 @@ def worst(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def nodes_table(results: dict[str, Any]) -> str:
+    """Per method, medians over the repeats; ratios are taken within each repeat (side by
+    side), then their median."""
     data, config = results["nodes"], results["config"]
-    runs = {name: run for name, run in data["methods"].items() if "skipped" not in run}
-    flat = runs.get("flat-acco")
-    hsdp = runs.get("hsdp")
+    repeats = data.get("repeats") or [data["methods"]]  # (a run from before --repeats: one)
+    median = statistics.median
     rows = []
-    for name, run in data["methods"].items():
-        if "skipped" in run:
-            rows.append([label(name), f"skipped: {run['skipped']}"] + [""] * 8)
+    for name in repeats[0]:
+        done = [r for r in repeats if "skipped" not in r[name]]
+        if not done:
+            rows.append([label(name), f"skipped: {repeats[0][name]['skipped']}"] + [""] * 8)
             continue
-        mem = worst(run["per_rank_memory"])
-        rss = max(r["peak_rss_added_bytes"] for r in run["per_rank_memory"])
-        versus = (lambda key, base: "" if base is None else f" (x{run[key] / base[key]:.2f})")
+
+        def ratio(key: str, base: str) -> str:
+            pairs = [r[name][key] / r[base][key] for r in done if "skipped" not in r.get(base, {"skipped": 1})]
+            return f" (x{median(pairs):.2f})" if pairs else ""
+
+        def tensors(run: dict[str, Any]) -> float:
+            return worst(run["per_rank_memory"])["tensors"]["total"]
+
+        def rss(run: dict[str, Any]) -> float:
+            return max(r["peak_rss_added_bytes"] for r in run["per_rank_memory"])
+
+        flat = [r["flat-acco"] for r in done if "per_rank_memory" in r.get("flat-acco", {})]
+        runs = [r[name] for r in done]
+        sent = [r["link_bytes_per_update"] for r in runs if r.get("link_bytes_per_update")]
         rows.append([
-            label(name), f"{run['final_loss']:.4f}", f"{run['samples_per_s']:.1f}{versus('samples_per_s', hsdp)}",
-            f"{run['updates']}", f"{run['micro_batches_per_update']:.1f}",
-            f"{run['link_bytes_per_update'] / 1e6:.1f}" if run.get("link_bytes_per_update") else "",
-            f"{mem['tensors']['total'] / MiB:.1f}" + ("" if flat is None else
-                                                      f" (x{mem['tensors']['total'] / worst(flat['per_rank_memory'])['tensors']['total']:.2f})"),
-            f"{rss / MiB:.0f}" + ("" if flat is None else
-                                  f" (x{rss / max(r['peak_rss_added_bytes'] for r in flat['per_rank_memory']):.2f})"),
-            f"{run['replicas_max_difference']:.1e}", f"{run['foreign_cpu_share']:.0%}"])
+            label(name), f"{median(r['final_loss'] for r in runs):.4f}",
+            f"{median(r['samples_per_s'] for r in runs):.1f}{ratio('samples_per_s', 'hsdp')}",
+            f"{median(r['updates'] for r in runs):g}", f"{median(r['micro_batches_per_update'] for r in runs):.1f}",
+            f"{median(sent) / 1e6:.1f}" if sent else "",
+            f"{median(tensors(r) for r in runs) / MiB:.1f}"
+            + (f" (x{median(tensors(r) for r in runs) / median(tensors(f) for f in flat):.2f})" if flat else ""),
+            f"{median(rss(r) for r in runs) / MiB:.0f}"
+            + (f" (x{median(rss(r) for r in runs) / median(rss(f) for f in flat):.2f})" if flat else ""),
+            f"{max(r['replicas_max_difference'] for r in runs):.1e}",
+            f"{max(r['foreign_cpu_share'] for r in runs):.0%}"])
     layout, links = data["layout"], data["links"]
     head = (f"{common.describe(config, config['parameters'])}, {config['micro_batches_per_update']} micro-batches per "
             f"rank per update, AdamW lr {config['lr']:g} ({config['warmup_updates']} updates of warm-up, then "
@@ -570,9 +592,10 @@ def nodes_table(results: dict[str, Any]) -> str:
             f" Link between the nodes: tbf {common.rate_text(data['rate'])} each way, measured "
             f"{links['across']['bus_mbit_s']:.0f} Mbit/s (all-reduce bus bandwidth, both replicate groups at once); inside "
             f"a node (loopback) {links['inside']['bus_mbit_s']:.0f} Mbit/s. Initial held-out loss "
-            f"{data['initial_loss']:.4f}.")
+            f"{data['initial_loss']:.4f}. Medians of {len(repeats)} repeat(s), methods in rotated order; ratios "
+            "within each repeat, then their median; other load: the most CPU other processes took in a run.")
     return head + "\n\n" + common.md_table(
-        ["method", "held-out loss", "samples/s (x HSDP)", "updates", "micro-batches per update", "MB across the link "
+        ["method", "held-out loss after the budget", "samples/s (x HSDP)", "updates", "micro-batches per update", "MB across the link "
          "per update", "tensors per rank, MiB (x flat acco)", "peak RSS added, MiB (x flat acco)",
          "replicas differ by", "other load"], rows)
 
@@ -633,7 +656,7 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
 
 BENCHMARK = common.Benchmark("two_nodes", __doc__, arguments, rank, sweep, check=check,
                              quick={"budget": 15.0, "n_embd": 128, "eval_batches": 8, "link_mb": 2.0,
-                                    "max_quiet_wait": 10.0, "memory_updates": 1})
+                                    "max_quiet_wait": 10.0, "memory_updates": 1, "repeats": 1})
 
 if __name__ == "__main__":
     if "RANK" not in os.environ:  # the driver: on SIGTERM, an exception, so the namespaces' `finally` runs
