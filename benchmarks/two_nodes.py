@@ -510,8 +510,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "config": {**config.as_dict(), "budget_s": args.budget, "micro_batches_per_update": args.micro_batches,
                    "warmup_updates": args.warmup, "schedule": "linear warm-up, then constant",
-                   "eval_batches": args.eval_batches, "rate": args.rate, "repeats": args.repeats, "nproc_per_node": args.nproc_per_node,
-                   "methods": args.methods, "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
+                   "eval_batches": args.eval_batches, "rate": args.rate, "repeats": args.repeats,
+                   "nproc_per_node": args.nproc_per_node, "methods": args.methods,
+                   "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/two_nodes.py", *args.argv]),
     }
     if not args.memory_only:
@@ -588,15 +589,16 @@ def nodes_table(results: dict[str, Any]) -> str:
             f"{data['ranks']} ranks ({data['threads_per_rank']} torch thread each on a 2-core machine): mesh "
             f"{layout['mesh']}, `shard` groups {layout['shard_groups']} inside a node "
             f"({'checked' if layout['shard_inside_nodes'] else '**not**'}), `replicate` groups "
-            f"{layout['replicate_groups']} across the link ({'checked' if layout['replicate_across_nodes'] else '**not**'})."
-            f" Link between the nodes: tbf {common.rate_text(data['rate'])} each way, measured "
-            f"{links['across']['bus_mbit_s']:.0f} Mbit/s (all-reduce bus bandwidth, both replicate groups at once); inside "
-            f"a node (loopback) {links['inside']['bus_mbit_s']:.0f} Mbit/s. Initial held-out loss "
+            f"{layout['replicate_groups']} across the link "
+            f"({'checked' if layout['replicate_across_nodes'] else '**not**'}). Link between the nodes: tbf "
+            f"{common.rate_text(data['rate'])} each way, measured {links['across']['bus_mbit_s']:.0f} Mbit/s "
+            "(all-reduce bus bandwidth, both replicate groups at once); inside a node (loopback) "
+            f"{links['inside']['bus_mbit_s']:.0f} Mbit/s. Initial held-out loss "
             f"{data['initial_loss']:.4f}. Medians of {len(repeats)} repeat(s), methods in rotated order; ratios "
             "within each repeat, then their median; other load: the most CPU other processes took in a run.")
     return head + "\n\n" + common.md_table(
-        ["method", "held-out loss after the budget", "samples/s (x HSDP)", "updates", "micro-batches per update", "MB across the link "
-         "per update", "tensors per rank, MiB (x flat acco)", "peak RSS added, MiB (x flat acco)",
+        ["method", "held-out loss after the budget", "samples/s (x HSDP)", "updates", "micro-batches per update",
+         "MB across the link per update", "tensors per rank, MiB (x flat acco)", "peak RSS added, MiB (x flat acco)",
          "replicas differ by", "other load"], rows)
 
 
