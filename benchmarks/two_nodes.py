@@ -639,6 +639,10 @@ def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
         out["two_nodes"] = nodes_table(data)
     if "memory" in data:
         out["two_nodes-memory"] = memory_table(data["memory"])
+    others = [(stem, run) for stem, run in sorted(results.items()) if stem != "two_nodes" and "nodes" in run]
+    if others:  # the same run at other rates (--out results/two_nodes-RATE.json)
+        out["two_nodes-rates"] = "\n\n".join(f"**{common.rate_text(run['nodes']['rate'])}** "
+                                              f"(`results/{stem}.json`): {nodes_table(run)}" for stem, run in others)
     return out
 
 
@@ -657,8 +661,8 @@ def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 BENCHMARK = common.Benchmark("two_nodes", __doc__, arguments, rank, sweep, check=check,
-                             quick={"budget": 15.0, "n_embd": 128, "eval_batches": 8, "link_mb": 2.0,
-                                    "max_quiet_wait": 10.0, "memory_updates": 1, "repeats": 1})
+                             quick={"budget": 10.0, "n_embd": 128, "eval_batches": 8, "link_mb": 2.0,
+                                    "max_quiet_wait": 5.0, "memory_updates": 1, "repeats": 1})
 
 if __name__ == "__main__":
     if "RANK" not in os.environ:  # the driver: on SIGTERM, an exception, so the namespaces' `finally` runs
