@@ -65,6 +65,9 @@ class MethodSpec:
     mode: str | None = None  # AccoOptimizer's mode
     estimate_dtype: torch.dtype | None = None  # acco's light estimate round
     ready_loop: bool = False  # keep computing micro-batches while the round in flight has not landed
+    # A slow rank (time_to_loss.py --slowdown) runs micro-batches of 1/FACTOR the sequences, so
+    # one takes as long as a fast rank's; every micro-batch is weighted by its sequences.
+    balanced: bool = False
 
 
 _BF16, _FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -83,6 +86,11 @@ METHODS: dict[str, MethodSpec] = {
                                 estimate_dtype=_BF16, ready_loop=True),
     "acco-aww-fp8": MethodSpec("acco `acco`, `ready()` loop, fp8 (e4m3) estimate", "C2", ":", mode="acco",
                                estimate_dtype=_FP8, ready_loop=True),
+    "acco-aww-balanced": MethodSpec("acco `acco`, `ready()` loop, slow rank's micro-batches 1/FACTOR", "C8",
+                                    mode="acco", ready_loop=True, balanced=True),
+    "acco-aww-fp8-balanced": MethodSpec("acco `acco`, `ready()` loop, fp8 (e4m3) estimate, slow rank's micro-batches "
+                                        "1/FACTOR", "C8", ":", mode="acco", estimate_dtype=_FP8, ready_loop=True,
+                                        balanced=True),
     "diloco-h10": MethodSpec("DiLoCo, H = 10", "C4", family="diloco"),
     "diloco-h50": MethodSpec("DiLoCo, H = 50", "C5", family="diloco"),
 }
@@ -277,6 +285,7 @@ class AccoMethod(Method):
         self.rounds_per_update = 2 if spec.mode == "acco" else 1
         super().__init__(name, config, micro_batches_per_update, model)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
+        self._sequences = config.batch_size  # the last micro-batch's, its weight when balanced
         # Only when asked, so that checkouts from before the light estimate round run the rest.
         light = {"estimate_dtype": spec.estimate_dtype} if spec.estimate_dtype is not None else {}
         try:
@@ -290,8 +299,13 @@ class AccoMethod(Method):
             raise UnsupportedMethod(f"{name}: AccoOptimizer(estimate_dtype={spec.estimate_dtype}) refused: "
                                     f"{error}") from error
 
+    def backward(self, x: Tensor, y: Tensor) -> Tensor:
+        self._sequences = x.shape[0]
+        return super().backward(x, y)
+
     def fold(self) -> None:
-        self.opt.accumulate()
+        # balanced: micro-batches of different sizes, each a mean over its sequences
+        self.opt.accumulate(weight=float(self._sequences) if self.spec.balanced else None)
 
     def end_round(self) -> bool:
         return self.opt.step()
@@ -309,7 +323,8 @@ class AccoMethod(Method):
         return self.opt.num_updates
 
     def committed_micro_batches(self, counted: int) -> float:
-        return self.opt.committed_weight  # weight 1 per micro-batch, every rank
+        # weight 1 per micro-batch, every rank; balanced: one per sequence, in full micro-batches
+        return self.opt.committed_weight / (self.config.batch_size if self.spec.balanced else 1)
 
 
 TORCHFT_INSTALL = "pip install -e '.[bench]'"
@@ -450,19 +465,32 @@ class RoundRecord:
 
 def train_round(method: Method, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
                 after_backward: Callable[[int], None] | None = None,
-                before_boundary: Callable[[RoundRecord], None] | None = None) -> RoundRecord:
+                before_boundary: Callable[[RoundRecord], None] | None = None, slowdown: float = 1.0,
+                max_micro_batches: int | None = None) -> RoundRecord:
     """One round of ``method``: its micro-batches (with the ``ready()`` loop, more while the
-    round in flight has not landed), then the boundary. ``after_backward(i)`` runs between
-    micro-batch ``i``'s backward and its fold, ``before_boundary`` before ``end_round()``."""
+    round in flight has not landed, at most ``max_micro_batches``: then the boundary waits
+    for the round), then the boundary. ``after_backward(i)`` runs between micro-batch ``i``'s
+    backward and its fold, ``before_boundary`` before ``end_round()``. ``slowdown``: this
+    rank emulates a device that many times slower by sleeping ``slowdown - 1`` times each
+    micro-batch's measured time after it (a sleep takes no CPU from the other ranks)."""
     record = RoundRecord()
     started = time.perf_counter()
-    while len(record.losses) < method.micro_batches_per_round or (method.spec.ready_loop and not method.ready()):
+
+    def more() -> bool:
+        if len(record.losses) < method.micro_batches_per_round:
+            return True
+        capped = max_micro_batches is not None and len(record.losses) >= max_micro_batches
+        return method.spec.ready_loop and not capped and not method.ready()
+
+    while more():
         x, y = next_batch()
         wall, cpu = time.perf_counter(), time.thread_time()
         loss = method.backward(x, y)
         if after_backward is not None:
             after_backward(len(record.losses))
         method.fold()
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - wall))
         record.micro_batch_s.append(time.perf_counter() - wall)
         record.micro_batch_cpu_s.append(time.thread_time() - cpu)
         record.batches.append((x, y))
