@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 __all__ = ["BENCHMARK", "AgreedClock", "blocks", "mixed_runs", "runtimes", "summary", "targets", "warmup_constant"]
 
-TTL_METHODS = [n for n, s in common.METHODS.items() if s.family != "roofline" and not s.balanced]
+TTL_METHODS = ["ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-bf16", "acco-fp8", "acco-aww",
+               "acco-aww-bf16", "acco-aww-fp8", "diloco-h10", "diloco-h50"]
 # With one rank slower (--slowdown): the peers a user would pick, and acco's ready() loop.
 MIXED_METHODS = ["ddp-zero1", "acco-sync", "acco-aww", "acco-aww-fp8", "acco-aww-balanced", "acco-aww-fp8-balanced",
                  "diloco-h10"]
@@ -57,7 +58,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--methods", nargs="+", default=None, type=common.method_name, metavar="METHOD",
         help=f"default: {', '.join(TTL_METHODS)}; with --slowdown: {', '.join(MIXED_METHODS)}; any diloco-hN")
     add("--slowdown", default=None, metavar="RANK:FACTOR",
-        help="rank RANK's micro-batches take FACTOR times longer (it sleeps FACTOR - 1 times each one's compute)")
+        help="rank RANK's micro-batches take FACTOR times longer (it sleeps FACTOR - 1 times each one's CPU time)")
     add("--round-cap", type=int, default=None, metavar="N",
         help="the ready() loop's most micro-batches per round (then step() waits for the round in flight)")
     add("--seeds", type=int, nargs="+", default=[1337, 7])
@@ -459,8 +460,8 @@ def section(data: dict[str, Any]) -> str:
 def slowdown_text(cfg: dict[str, Any]) -> str:
     slow = cfg["slowdown"]
     cap = f", the `ready()` loop capped at {cfg['round_cap']} micro-batches per round" if cfg.get("round_cap") else ""
-    return (f"**rank {slow['rank']} {slow['factor']}x slower** (it sleeps {slow['factor'] - 1} x each micro-batch's "
-            f"compute after it){cap}")
+    return (f"**rank {slow['rank']} {slow['factor']}x slower** (it sleeps {slow['factor'] - 1} x each micro-batch's CPU "
+            f"time after it){cap}")
 
 
 def method_label(data: dict[str, Any], name: str) -> str:
