@@ -59,6 +59,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         help=f"default: {', '.join(TTL_METHODS)}; with --slowdown: {', '.join(MIXED_METHODS)}; any diloco-hN")
     add("--slowdown", default=None, metavar="RANK:FACTOR",
         help="rank RANK's micro-batches take FACTOR times longer (it sleeps FACTOR - 1 times each one's CPU time)")
+    add("--lr-follows-batch", choices=["none", "sqrt", "linear"], default="none",
+        help="acco: after each committed update, scale the next update's lr by (its global weight / the "
+             "fixed loop's)^0.5 or ^1 (the README's recipe for the ready() loop's larger updates)")
     add("--round-cap", type=int, default=None, metavar="N",
         help="the ready() loop's most micro-batches per round (then step() waits for the round in flight)")
     add("--seeds", type=int, nargs="+", default=[1337, 7])
@@ -150,6 +153,20 @@ class AgreedClock:
             self._work = None
 
 
+def follow_batch(method: common.AccoMethod, args: argparse.Namespace, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                 weight: float) -> None:
+    """``--lr-follows-batch``: the next update's lr is the schedule's times a power of
+    ``weight`` (the last committed update's global weight: the step it made in the public
+    ``committed_weight``) over a fixed-loop update's."""
+    if args.lr_follows_batch == "none":
+        return
+    fixed = method.micro_batches_per_update * dist.get_world_size() * (
+        method.config.batch_size if method.spec.balanced else 1)  # one weight per micro-batch, or per sequence
+    scale = (weight / fixed) ** (0.5 if args.lr_follows_batch == "sqrt" else 1.0)
+    for group, lr in zip(method.opt.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr * scale
+
+
 def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, train_data: torch.Tensor,
                eval_set: list[tuple[torch.Tensor, torch.Tensor]], initial_loss: float) -> dict[str, Any]:
     """Train ``name`` for the budget; its evaluation points and what they cost."""
@@ -173,6 +190,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     clock = AgreedClock()
     snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     computed = rounds = counted = 0
+    committed_weight = 0.0
     next_eval, due, last_commit = args.eval_every, False, 0.0
 
     def snapshot(elapsed: float) -> None:
@@ -189,6 +207,9 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             counted, last_commit = counted + 1, now
             if scheduler is not None:
                 scheduler.step()
+            if isinstance(method, common.AccoMethod):
+                follow_batch(method, args, scheduler, method.opt.committed_weight - committed_weight)
+                committed_weight = method.opt.committed_weight
         agreed = clock.exchange(now)
         if clock.budget_reached(agreed, args.budget):
             break
@@ -270,7 +291,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "slowdown": None if args.slow is None else {"rank": args.slow[0], "factor": args.slow[1]},
-                   "round_cap": args.round_cap,
+                   "round_cap": args.round_cap, "lr_follows_batch": args.lr_follows_batch,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
                    "diloco": {"implementation": "torchft", "torchft": common.torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
@@ -448,6 +469,9 @@ def section(data: dict[str, Any]) -> str:
             f"{name} {common.rate_text(rate)}" for name, rate in data["rates"].items()) + "."
     if cfg.get("slowdown"):
         intro = f"{slowdown_text(cfg)}; {intro[0].lower()}{intro[1:]}"
+    if cfg.get("lr_follows_batch", "none") != "none":
+        intro += (f" acco's lr follows the committed batch: times (the last update's global weight / a fixed-loop "
+                  f"update's)^{'0.5' if cfg['lr_follows_batch'] == 'sqrt' else '1'}.")
     lines = [f"- {rate}: the best acco configuration, {method_label(data, row[0])}, reaches ZeRO-1's final loss in "
              f"{row[1]:.2f} of the budget (bar: <= {bar(data, rate)}): "
              f"{'met' if row[1] <= bar(data, rate) else '**not met**'}."
