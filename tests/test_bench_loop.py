@@ -34,7 +34,7 @@ def tiny_batches() -> common.Callable[[], tuple[torch.Tensor, torch.Tensor]]:
 
 
 def test_the_cap_ends_a_round_that_never_lands() -> None:
-    method = NeverLands("acco-aww", TINY, 4, common.build_model(TINY))
+    method = NeverLands("acco-aww", TINY, 2, common.build_model(TINY))  # 2 micro-batches per round
     for cap in (2, 5):
         record = common.train_round(method, tiny_batches(), max_micro_batches=cap)
         assert len(record.losses) == cap
@@ -42,7 +42,7 @@ def test_the_cap_ends_a_round_that_never_lands() -> None:
 
 
 def test_the_cap_never_cuts_a_round_below_its_micro_batches() -> None:
-    method = NeverLands("acco-aww", TINY, 8, common.build_model(TINY))  # 4 per round (two rounds per update)
+    method = NeverLands("acco-aww", TINY, 4, common.build_model(TINY))  # 4 micro-batches per round
     record = common.train_round(method, tiny_batches(), max_micro_batches=1)
     assert len(record.losses) == method.micro_batches_per_round == 4
 
