@@ -781,7 +781,8 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
     """The driver (the user's command), or one rank when started by ``torchrun``."""
     args = benchmark.parse(argv)
     if "RANK" in os.environ:
-        ctx = setup_distributed(getattr(args, "device", "cpu"), "gloo", datetime.timedelta(minutes=10))
+        backend = getattr(args, "backend", None) or "gloo"  # a benchmark with --backend picks its own
+        ctx = setup_distributed(getattr(args, "device", "cpu"), backend, datetime.timedelta(minutes=10))
         result = benchmark.rank(args, ctx)
         if ctx.master:
             write_json(args.out or RESULTS_DIR / f"{args.stem}-torchrun.json", result)

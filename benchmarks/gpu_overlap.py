@@ -65,6 +65,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--rounds", type=int, default=20, help="measured rounds per method")
     add("--micro-batches", type=int, default=4, help="micro-batches per round (fixed loop)")
     add("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run of the same code path")
+    add("--backend", choices=["nccl", "gloo"], default=None, help=argparse.SUPPRESS)  # set by the driver per launch
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -211,13 +212,18 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     with gzip.open(trace, "wb") as target:
         target.write(raw.read_bytes())
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU"
-    return {"world_size": ctx.world_size, "device": device, "torch": torch.__version__, "rounds": args.rounds,
+    return {"world_size": ctx.world_size, "device": device, "torch": torch.__version__,
+            "backend": dist.get_backend(), "rounds": args.rounds,
             "micro_batches_per_round": args.micro_batches, "models": models, "profiled": profiled,
             "profiled_model": args.models[0], "trace": trace.name, "streams": stream_overlap(raw)}
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    runs = [common.run_ranks(args, world_size, "--label", f"ws{world_size}") for world_size in args.world_sizes]
+    # NCCL where every rank has its own GPU (world size 1 here); two ranks on one GPU need gloo,
+    # NCCL refuses them.
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    runs = [common.run_ranks(args, world_size, "--label", f"ws{world_size}", "--backend",
+                             "nccl" if world_size <= gpus else "gloo") for world_size in args.world_sizes]
     print(table(runs))
     return {"runs": runs}
 
@@ -292,8 +298,10 @@ def section(data: dict[str, Any]) -> str:
                       f"{config['seq_len']} tokens per micro-batch")
     return (f"{run['device']}, torch {run['torch']}; {'; '.join(models)}; {run['micro_batches_per_round']} "
             "micro-batches per round (the `ready()` loop: and more while the round is in flight), AdamW, clipping at "
-            f"{config['max_grad_norm']}, {run['rounds']} measured rounds. World size 2 = two ranks on the one GPU, "
-            "gloo on CUDA tensors.\n\n" + table(data["runs"]) + "\n\n" + "\n".join(lines))
+            f"{config['max_grad_norm']}, {run['rounds']} measured rounds; process groups: "
+            + ", ".join(f"world size {r['world_size']} {r.get('backend', 'gloo')}" for r in data["runs"])
+            + " (world size 2 = two ranks on the one GPU, gloo on CUDA tensors).\n\n" + table(data["runs"]) + "\n\n"
+            + "\n".join(lines))
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
