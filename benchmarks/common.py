@@ -47,7 +47,8 @@ from examples.train_gpt import (  # noqa: E402
 __all__ = [
     "BENCH_DIR", "METHODS", "OUTER_LR", "OUTER_MOMENTUM", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "TORCHFT_INSTALL",
     "AccoMethod", "Benchmark", "Checkout", "FSDPMethod", "Method", "MethodSpec", "ModelConfig", "RoundRecord",
-    "TorchftDiLoCoMethod", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model", "describe", "even", "label",
+    "TorchftDiLoCoMethod", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model",
+    "describe", "even", "label",
     "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name", "method_spec", "minutes", "model_arguments",
     "model_config", "phases", "pyplot", "rank_batches", "rate_text", "read_json", "rotated", "run_ranks", "save",
     "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
@@ -315,7 +316,7 @@ class FSDPMethod(Method):
                  mixed: torch.dtype | None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)

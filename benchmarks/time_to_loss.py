@@ -484,8 +484,8 @@ def section(data: dict[str, Any]) -> str:
 def slowdown_text(cfg: dict[str, Any]) -> str:
     slow = cfg["slowdown"]
     cap = f", the `ready()` loop capped at {cfg['round_cap']} micro-batches per round" if cfg.get("round_cap") else ""
-    return (f"**rank {slow['rank']} {slow['factor']}x slower** (it sleeps {slow['factor'] - 1} x each micro-batch's CPU "
-            f"time after it){cap}")
+    return (f"**rank {slow['rank']} {slow['factor']}x slower** (it sleeps {slow['factor'] - 1} x each micro-batch's "
+            f"CPU time after it){cap}")
 
 
 def method_label(data: dict[str, Any], name: str) -> str:
@@ -526,7 +526,8 @@ def plot(data: dict[str, Any], path: Path) -> str:
                 points = run["methods"][name]["points"]
                 ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=spec.colour,
                         ls=spec.line, lw=2 if name == BASELINE else 1.3, alpha=1.0 if i == 0 else 0.35,
-                        marker="." if i == 0 else None, label=method_label(data, name).replace("`", "") if i == 0 else None)
+                        marker="." if i == 0 else None,
+                        label=method_label(data, name).replace("`", "") if i == 0 else None)
         for goal in s[rate]["targets"].values():
             ax.axhline(goal["loss"], color="gray", lw=0.7, ls="--")
         ax.axvline(budget, color="gray", lw=0.7)
