@@ -419,7 +419,11 @@ def fraction_cell(entry: dict[str, Any]) -> str:
         return f"not reached ({shown})" if len(fractions) > 1 else "not reached"
     if len(fractions) == 1:
         return f"{fractions[0]:.2f}"
-    return f"**{entry['median_time_fraction']:.2f}** ({min(fractions):.2f}-{max(fractions):.2f})"
+    present = [f for f in fractions if f is not None]
+    if len(present) < len(fractions):  # some seeds did not reach it
+        shown = ", ".join("not reached" if f is None else f"{f:.2f}" for f in fractions)
+        return f"**{entry['median_time_fraction']:.2f}** ({shown})"
+    return f"**{entry['median_time_fraction']:.2f}** ({min(present):.2f}-{max(present):.2f})"
 
 
 def table(data: dict[str, Any]) -> str:
