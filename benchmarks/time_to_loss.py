@@ -5,6 +5,7 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py                          # 2 rates x 12 methods x 2 seeds: ~32 min
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
+    sudo $(which python) benchmarks/time_to_loss.py --slowdown 1:3 --rates 425mbit --budget 20   # rank 1 3x slower
 
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
