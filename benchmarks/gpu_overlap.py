@@ -95,7 +95,9 @@ def formula_bytes(mode: str, parameters: int, world_size: int, param_bytes: int,
         rows["all-gather target"] = parameters * param_bytes
     rows["AdamW state"] = 2 * shard * master
     if mode == "acco":
-        rows["estimate copy"] = 2 * shard * master
+        # the state's copy; the master shard's working copy goes in an already-sent chunk of
+        # the round's buffer, which holds it only when that buffer is as wide as the master
+        rows["estimate copy"] = (2 if reduce_bytes >= master else 3) * shard * master
     return rows
 
 

@@ -5,6 +5,7 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py                          # 2 rates x 12 methods x 2 seeds: ~32 min
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
+    sudo $(which python) benchmarks/time_to_loss.py --slowdown 1:3 --rates 425mbit --budget 20   # rank 1 3x slower
 
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
@@ -419,11 +420,9 @@ def fraction_cell(entry: dict[str, Any]) -> str:
         return f"not reached ({shown})" if len(fractions) > 1 else "not reached"
     if len(fractions) == 1:
         return f"{fractions[0]:.2f}"
-    present = [f for f in fractions if f is not None]
-    if len(present) < len(fractions):  # some seeds did not reach it
-        shown = ", ".join("not reached" if f is None else f"{f:.2f}" for f in fractions)
-        return f"**{entry['median_time_fraction']:.2f}** ({shown})"
-    return f"**{entry['median_time_fraction']:.2f}** ({min(present):.2f}-{max(present):.2f})"
+    reached = [f for f in fractions if f is not None]
+    missed = f", {len(fractions) - len(reached)} not reached" if len(reached) < len(fractions) else ""
+    return f"**{entry['median_time_fraction']:.2f}** ({min(reached):.2f}-{max(reached):.2f}{missed})"
 
 
 def table(data: dict[str, Any]) -> str:
@@ -577,10 +576,15 @@ def mixed_overview(results: dict[str, Any]) -> str:
     for stem, data in runs.items():
         cfg = data["config"]
         for rate, r in summary_of(data).items():
+            settings = [f"cap {cfg['round_cap']}" if cfg.get("round_cap") else "",
+                        "lr x (batch ratio)^0.5" if cfg.get("lr_follows_batch") == "sqrt" else "",
+                        "lr x batch ratio" if cfg.get("lr_follows_batch") == "linear" else ""]
             rows.append([f"{cfg['slowdown']['factor']}x", str(cfg["ranks"]), f"{rate} ({common.rate_text(r['rate'])})",
+                         ", ".join(str(seed) for seed in cfg["seeds"]), ", ".join(x for x in settings if x) or "-",
                          *(fraction_cell(r["methods"][n]) if "final_loss" in r["methods"].get(n, {}) else "-"
                            for n in names), f"[{stem}.json](benchmarks/results/{stem}.json)"])
-    header = ["one rank slower by", "ranks", "network", *(method_label({"config": {}}, n) for n in names), "results"]
+    header = ["one rank slower by", "ranks", "network", "seeds", "ready() loop settings",
+              *(method_label({"config": {}}, n) for n in names), "results"]
     return ("Time to DDP + ZeRO-1's final held-out loss, as a share of the same wall-clock budget (median over "
             "seeds, min-max in brackets; \"not reached\": not within the budget); FACTOR is the slow rank's factor.\n\n"
             + common.md_table(header, rows))

@@ -56,21 +56,23 @@ def test_a_slow_rank_sleeps_factor_minus_one_times_its_cpu_time() -> None:
         assert wall >= 3.0 * cpu * 0.95, (wall, cpu)  # the sleep (2 x CPU) comes on top of the compute
 
 
-def formula_rank(name: str) -> tuple[dict[str, int], dict[str, int]]:
-    method = common.build_method(name, TINY, 4)
+def formula_rank(name: str, mixed: torch.dtype | None) -> tuple[dict[str, int], dict[str, int]]:
+    method = common.build_method(name, TINY, 4, mixed=mixed)  # bf16: parameters and reduction in it
     batches = tiny_batches()
     for _ in range(4):  # both kinds of rounds have run: every buffer exists
         common.train_round(method, batches)
     params = list({id(p): p for p in method.module.parameters()}.values())
     mode = common.method_spec(name).mode
-    formula = gpu_overlap.formula_bytes(mode, sum(p.numel() for p in params), 2, 4, 4)
+    width = params[0].element_size()
+    formula = gpu_overlap.formula_bytes(mode, sum(p.numel() for p in params), 2, width, width)
     accounting = gpu_overlap.acco_accounting(method)
     method.finish()
     return formula, accounting
 
 
+@pytest.mark.parametrize("mixed", [None, torch.bfloat16])
 @pytest.mark.parametrize("name", ["acco-sync", "acco-dpu", "acco"])
-def test_the_readme_formula_is_what_acco_holds_at_two_ranks(ranks, name) -> None:
-    for formula, accounting in ranks(2).run(formula_rank, name):
+def test_the_readme_formula_is_what_acco_holds_at_two_ranks(ranks, name, mixed) -> None:
+    for formula, accounting in ranks(2).run(formula_rank, name, mixed):
         # the AdamW step counters are a few bytes of state the formula leaves out
         assert sum(formula.values()) <= sum(accounting.values()) <= sum(formula.values()) + 64, (formula, accounting)
