@@ -46,8 +46,9 @@ from examples.train_gpt import (  # noqa: E402
 
 __all__ = [
     "BENCH_DIR", "METHODS", "OUTER_LR", "OUTER_MOMENTUM", "REPO_ROOT", "RESULTS_DIR", "SCRATCH_DIR", "TORCHFT_INSTALL",
-    "AccoMethod", "Benchmark", "Checkout", "Method", "MethodSpec", "ModelConfig", "RoundRecord", "TorchftDiLoCoMethod",
-    "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model", "describe", "even", "label",
+    "AccoMethod", "Benchmark", "Checkout", "FSDPMethod", "Method", "MethodSpec", "ModelConfig", "RoundRecord",
+    "TorchftDiLoCoMethod", "UnsupportedMethod", "Window", "all_reduce", "batches", "build_method", "build_model",
+    "describe", "even", "label",
     "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name", "method_spec", "minutes", "model_arguments",
     "model_config", "phases", "pyplot", "rank_batches", "rate_text", "read_json", "rotated", "run_ranks", "save",
     "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
@@ -65,6 +66,9 @@ class MethodSpec:
     mode: str | None = None  # AccoOptimizer's mode
     estimate_dtype: torch.dtype | None = None  # acco's light estimate round
     ready_loop: bool = False  # keep computing micro-batches while the round in flight has not landed
+    # A slow rank (time_to_loss.py --slowdown) runs micro-batches of 1/FACTOR the sequences, so
+    # one takes as long as a fast rank's; every micro-batch is weighted by its sequences.
+    balanced: bool = False
 
 
 _BF16, _FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -83,6 +87,14 @@ METHODS: dict[str, MethodSpec] = {
                                 estimate_dtype=_BF16, ready_loop=True),
     "acco-aww-fp8": MethodSpec("acco `acco`, `ready()` loop, fp8 (e4m3) estimate", "C2", ":", mode="acco",
                                estimate_dtype=_FP8, ready_loop=True),
+    "acco-aww-balanced": MethodSpec("acco `acco`, `ready()` loop, slow rank's micro-batches 1/FACTOR", "C8",
+                                    mode="acco", ready_loop=True, balanced=True),
+    "acco-aww-fp8-balanced": MethodSpec("acco `acco`, `ready()` loop, fp8 (e4m3) estimate, slow rank's micro-batches "
+                                        "1/FACTOR", "C8", ":", mode="acco", estimate_dtype=_FP8, ready_loop=True,
+                                        balanced=True),
+    "ddp-zero1-overlap": MethodSpec("DDP + ZeRO-1, `overlap_with_ddp` (`hook_with_zero_step`)", "0.3", "--",
+                                    family="ddp"),
+    "fsdp2": MethodSpec("FSDP2 (`fully_shard`)", "C9", family="fsdp"),
     "diloco-h10": MethodSpec("DiLoCo, H = 10", "C4", family="diloco"),
     "diloco-h50": MethodSpec("DiLoCo, H = 50", "C5", family="diloco"),
 }
@@ -195,8 +207,11 @@ class Method:
         """The model without its DDP wrapper."""
         return getattr(self.model, "module", self.model)
 
+    autocast: torch.dtype | None = None  # compute in this dtype over fp32 parameters (torch.autocast)
+
     def backward(self, x: Tensor, y: Tensor) -> Tensor:
-        loss = loss_fn(self.model, x, y)
+        with torch.autocast(x.device.type, self.autocast) if self.autocast else contextlib.nullcontext():
+            loss = loss_fn(self.model, x, y)
         (loss * self.loss_scale).backward()
         return loss.detach()
 
@@ -238,18 +253,41 @@ class Roofline(Method):
 
 class DDPMethod(Method):
     """DDP (gradients all-reduced in the last micro-batch's backward, ``no_sync`` before)
-    with AdamW on every rank, or with ``ZeroRedundancyOptimizer`` (ZeRO-1)."""
+    with AdamW on every rank (fused on CUDA), with ``ZeroRedundancyOptimizer`` (ZeRO-1), or
+    with ZeRO-1 overlapped with DDP (``ddp-zero1-overlap``: ``overlap_with_ddp=True`` and
+    the ``hook_with_zero_step`` comm hook, torch's own ZeRO-1 overlap: each rank's AdamW
+    step runs inside the last backward as the buckets' all-reduces land).
+
+    Raises:
+        UnsupportedMethod: ``ddp-zero1-overlap`` on gloo, which torch refuses (it may hang).
+    """
 
     def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
                  bucket_view: bool) -> None:
+        cuda = next(model.parameters()).device.type == "cuda"
+        if name == "ddp-zero1-overlap" and dist.get_backend() == dist.Backend.GLOO:
+            raise UnsupportedMethod(f"{name}: torch's hook_with_zero_step refuses gloo (\"may meet hangs\"); NCCL only")
         # bucket_view: p.grad are views of DDP's buckets, the lean setting (no second copy).
         super().__init__(name, config, micro_batches_per_update, DDP(model, gradient_as_bucket_view=bucket_view))
         groups = param_groups(model, config.weight_decay)
+        self.overlapped = name == "ddp-zero1-overlap"
         if name == "ddp-zero1":
             self.opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=config.lr,
                                                betas=config.betas)
+        elif self.overlapped:
+            from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            # One parameter group (overlap_with_ddp supports no other), and no clipping: the
+            # step runs in the backward, before a norm over all buckets could be known. The
+            # first two updates do nothing while DDP settles its buckets (torch's warning).
+            self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                               overlap_with_ddp=True, lr=config.lr, betas=config.betas,
+                                               weight_decay=config.weight_decay)
+            self.model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, self.model, self.opt))
         else:
-            self.opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+            # fused: one kernel per step on CUDA, what a GPU user runs; torch's default elsewhere
+            self.opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=cuda or None)
         self._backwards = 0
 
     def backward(self, x: Tensor, y: Tensor) -> Tensor:
@@ -257,6 +295,41 @@ class DDPMethod(Method):
         last = self._backwards % self.micro_batches_per_round == 0
         with contextlib.nullcontext() if last else self.model.no_sync():
             return super().backward(x, y)
+
+    def end_round(self) -> bool:
+        if not self.overlapped:  # overlapped: the step already ran in the last backward
+            if self.config.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return True
+
+
+class FSDPMethod(Method):
+    """FSDP2: ``fully_shard`` on every block and on the model (parameters, gradients and
+    AdamW state sharded; each block's parameters all-gathered for its forward and backward,
+    its gradients reduce-scattered in the last micro-batch's backward, kept unsharded
+    before: ``set_requires_gradient_sync``). ``mixed``: ``MixedPrecisionPolicy`` computing
+    in that dtype over the fp32 sharded parameters, reducing in fp32."""
+
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 mixed: torch.dtype | None) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32 if mixed else None)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        super().__init__(name, config, micro_batches_per_update, model)
+        cuda = next(model.parameters()).device.type == "cuda"
+        self.opt = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas,
+                                     fused=cuda or None)
+        self._backwards = 0
+
+    def backward(self, x: Tensor, y: Tensor) -> Tensor:
+        self._backwards += 1
+        self.model.set_requires_gradient_sync(self._backwards % self.micro_batches_per_round == 0)
+        return super().backward(x, y)
 
     def end_round(self) -> bool:
         if self.config.max_grad_norm is not None:
@@ -277,6 +350,7 @@ class AccoMethod(Method):
         self.rounds_per_update = 2 if spec.mode == "acco" else 1
         super().__init__(name, config, micro_batches_per_update, model)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
+        self._sequences = config.batch_size  # the last micro-batch's, its weight when balanced
         # Only when asked, so that checkouts from before the light estimate round run the rest.
         light = {"estimate_dtype": spec.estimate_dtype} if spec.estimate_dtype is not None else {}
         try:
@@ -290,8 +364,13 @@ class AccoMethod(Method):
             raise UnsupportedMethod(f"{name}: AccoOptimizer(estimate_dtype={spec.estimate_dtype}) refused: "
                                     f"{error}") from error
 
+    def backward(self, x: Tensor, y: Tensor) -> Tensor:
+        self._sequences = x.shape[0]
+        return super().backward(x, y)
+
     def fold(self) -> None:
-        self.opt.accumulate()
+        # balanced: micro-batches of different sizes, each a mean over its sequences
+        self.opt.accumulate(weight=float(self._sequences) if self.spec.balanced else None)
 
     def end_round(self) -> bool:
         return self.opt.step()
@@ -309,7 +388,8 @@ class AccoMethod(Method):
         return self.opt.num_updates
 
     def committed_micro_batches(self, counted: int) -> float:
-        return self.opt.committed_weight  # weight 1 per micro-batch, every rank
+        # weight 1 per micro-batch, every rank; balanced: one per sequence, in full micro-batches
+        return self.opt.committed_weight / (self.config.batch_size if self.spec.balanced else 1)
 
 
 TORCHFT_INSTALL = "pip install -e '.[bench]'"
@@ -411,10 +491,14 @@ class TorchftDiLoCoMethod(Method):
 
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
-                 schedule: Callable[[int], float] | None = None) -> Method:
+                 schedule: Callable[[int], float] | None = None, mixed: torch.dtype | None = None) -> Method:
     """A fresh model (the same initial parameters every time) and ``name``'s optimizer;
     ``bucket_view``: DDP's ``gradient_as_bucket_view``; ``acco_module``: another checkout's
     ``acco`` (:class:`Checkout`); ``schedule``: DiLoCo's inner lr factor per inner step.
+    ``mixed`` (with ``dtype`` None): compute in that dtype over an fp32 master, each method
+    its own way: acco and the roofline hold the model in it (acco keeps an fp32 master
+    shard), DDP's methods compute under ``torch.autocast`` over fp32 parameters, FSDP2
+    through its ``MixedPrecisionPolicy``.
 
     Raises:
         ValueError: an unknown name, or an odd number of micro-batches for acco's two rounds.
@@ -423,11 +507,17 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
     spec = method_spec(name)
     if spec.mode == "acco" and micro_batches_per_update % 2:
         raise ValueError(f"{name}: micro-batches per update must be even, got {micro_batches_per_update}")
-    model = build_model(config, dtype, device)
+    if mixed is not None and dtype is not None:
+        raise ValueError(f"{name}: give dtype (every tensor in it) or mixed (compute in it), not both")
+    model = build_model(config, mixed if spec.family in ("roofline", "acco") else dtype, device)
     if spec.family == "roofline":
         return Roofline(name, config, micro_batches_per_update, model)
     if spec.family == "ddp":
-        return DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
+        method: Method = DDPMethod(name, config, micro_batches_per_update, model, bucket_view)
+        method.autocast = mixed
+        return method
+    if spec.family == "fsdp":
+        return FSDPMethod(name, config, micro_batches_per_update, model, mixed)
     if spec.family == "diloco":
         return TorchftDiLoCoMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
@@ -450,19 +540,33 @@ class RoundRecord:
 
 def train_round(method: Method, next_batch: Callable[[], tuple[Tensor, Tensor]], *,
                 after_backward: Callable[[int], None] | None = None,
-                before_boundary: Callable[[RoundRecord], None] | None = None) -> RoundRecord:
+                before_boundary: Callable[[RoundRecord], None] | None = None, slowdown: float = 1.0,
+                max_micro_batches: int | None = None) -> RoundRecord:
     """One round of ``method``: its micro-batches (with the ``ready()`` loop, more while the
-    round in flight has not landed), then the boundary. ``after_backward(i)`` runs between
-    micro-batch ``i``'s backward and its fold, ``before_boundary`` before ``end_round()``."""
+    round in flight has not landed, at most ``max_micro_batches``: then the boundary waits
+    for the round), then the boundary. ``after_backward(i)`` runs between micro-batch ``i``'s
+    backward and its fold, ``before_boundary`` before ``end_round()``. ``slowdown``: this
+    rank emulates a device that many times slower by sleeping ``slowdown - 1`` times each
+    micro-batch's CPU time after it: a sleep takes no CPU from the other ranks, and CPU time,
+    unlike wall time, does not multiply the waits for a busy core."""
     record = RoundRecord()
     started = time.perf_counter()
-    while len(record.losses) < method.micro_batches_per_round or (method.spec.ready_loop and not method.ready()):
+
+    def more() -> bool:
+        if len(record.losses) < method.micro_batches_per_round:
+            return True
+        capped = max_micro_batches is not None and len(record.losses) >= max_micro_batches
+        return method.spec.ready_loop and not capped and not method.ready()
+
+    while more():
         x, y = next_batch()
         wall, cpu = time.perf_counter(), time.thread_time()
         loss = method.backward(x, y)
         if after_backward is not None:
             after_backward(len(record.losses))
         method.fold()
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * (time.thread_time() - cpu))
         record.micro_batch_s.append(time.perf_counter() - wall)
         record.micro_batch_cpu_s.append(time.thread_time() - cpu)
         record.batches.append((x, y))
@@ -680,7 +784,8 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
     """The driver (the user's command), or one rank when started by ``torchrun``."""
     args = benchmark.parse(argv)
     if "RANK" in os.environ:
-        ctx = setup_distributed(getattr(args, "device", "cpu"), "gloo", datetime.timedelta(minutes=10))
+        backend = getattr(args, "backend", None) or "gloo"  # a benchmark with --backend picks its own
+        ctx = setup_distributed(getattr(args, "device", "cpu"), backend, datetime.timedelta(minutes=10))
         result = benchmark.rank(args, ctx)
         if ctx.master:
             write_json(args.out or RESULTS_DIR / f"{args.stem}-torchrun.json", result)

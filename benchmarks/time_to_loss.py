@@ -5,6 +5,7 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py                          # 2 rates x 12 methods x 2 seeds: ~32 min
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
+    sudo $(which python) benchmarks/time_to_loss.py --slowdown 1:3 --rates 425mbit --budget 20   # rank 1 3x slower
 
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
@@ -12,6 +13,7 @@ DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -23,18 +25,26 @@ from typing import Any
 
 import throughput
 import common
-from examples.train_gpt import Dist, eval_batches, evaluate
+from examples.train_gpt import Dist, eval_batches, evaluate, parse_slowdown
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BENCHMARK", "AgreedClock", "blocks", "runtimes", "summary", "targets", "warmup_constant"]
+__all__ = ["BENCHMARK", "AgreedClock", "blocks", "mixed_runs", "runtimes", "summary", "targets", "warmup_constant"]
 
-TTL_METHODS = [n for n, s in common.METHODS.items() if s.family != "roofline"]
-RATE_LABELS = ("comm~compute", "comm~3x")
+TTL_METHODS = ["ddp-zero1", "ddp-adamw", "acco-sync", "acco-dpu", "acco", "acco-bf16", "acco-fp8", "acco-aww",
+               "acco-aww-bf16", "acco-aww-fp8", "diloco-h10", "diloco-h50"]
+# With one rank slower (--slowdown): the peers a user would pick, and acco's ready() loop.
+MIXED_METHODS = ["ddp-zero1", "acco-sync", "acco-aww", "acco-aww-fp8", "acco-aww-balanced", "acco-aww-fp8-balanced",
+                 "diloco-h10"]
+UNLIMITED = "unlimited"
+RATE_LABELS = ("comm~compute", "comm~3x")  # calibrated rates (throughput.py's calibration)
+LINKS = (UNLIMITED, *RATE_LABELS)
 BASELINE = "ddp-zero1"
-# The issue's bar: the best acco configuration reaches ZeRO-1's final loss within this share of the budget.
+# The issue's bars: the best acco configuration reaches ZeRO-1's final loss within this share
+# of the budget; on equal ranks per link, with one rank slower per (ranks, factor, link).
 BAR = {"comm~compute": 0.6, "comm~3x": 0.4}
+MIXED_BAR = {(2, 3, UNLIMITED): 0.6}
 # Two runs of the same arithmetic (acco `sync` and ZeRO-1) differ by float reordering only:
 # a loss this close to the target has reached it.
 TOLERANCE = 1e-5
@@ -42,10 +52,19 @@ TOLERANCE = 1e-5
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
+    add("--links", nargs="+", default=None, choices=LINKS,
+        help=f"networks to run on (default: {' '.join(RATE_LABELS)}; with --slowdown: {UNLIMITED} comm~compute)")
     add("--rates", nargs="+", default=None, metavar="RATE",
-        help="tc rates for comm~compute then comm~3x (e.g. 440mbit 140mbit): skips calibration")
-    add("--methods", nargs="+", default=TTL_METHODS, type=common.method_name, metavar="METHOD",
-        help=f"from {', '.join(TTL_METHODS)}; any diloco-hN (H = N)")
+        help="tc rates for the rate-limited --links, in their order (e.g. 440mbit 140mbit): skips calibration")
+    add("--methods", nargs="+", default=None, type=common.method_name, metavar="METHOD",
+        help=f"default: {', '.join(TTL_METHODS)}; with --slowdown: {', '.join(MIXED_METHODS)}; any diloco-hN")
+    add("--slowdown", default=None, metavar="RANK:FACTOR",
+        help="rank RANK's micro-batches take FACTOR times longer (it sleeps FACTOR - 1 times each one's CPU time)")
+    add("--lr-follows-batch", choices=["none", "sqrt", "linear"], default="none",
+        help="acco: after each committed update, scale the next update's lr by (its global weight / the "
+             "fixed loop's)^0.5 or ^1 (the README's recipe for the ready() loop's larger updates)")
+    add("--round-cap", type=int, default=None, metavar="N",
+        help="the ready() loop's most micro-batches per round (then step() waits for the round in flight)")
     add("--seeds", type=int, nargs="+", default=[1337, 7])
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
     add("--eval-every", type=float, default=None, help="seconds between evaluations (default: budget / 8)")
@@ -64,10 +83,22 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> str | None:
     args.eval_every = args.eval_every or args.budget / (4 if args.quick else 8)
     args.seeds = args.seeds[:1] if args.quick else args.seeds
+    args.slow = parse_slowdown(args.slowdown)  # (rank, factor) or None
+    args.methods = args.methods or (MIXED_METHODS if args.slow else TTL_METHODS)
+    args.links = args.links or ([UNLIMITED, RATE_LABELS[0]] if args.slow else list(RATE_LABELS))
+    if args.quick:
+        args.links = args.links[:1]
+    limited = [link for link in args.links if link != UNLIMITED]
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
-    if args.rates is not None and len(args.rates) > len(RATE_LABELS):
-        return f"--rates takes at most {len(RATE_LABELS)} rates ({', '.join(RATE_LABELS)})"
+    if args.rates is not None and len(args.rates) != len(limited):
+        return f"--rates takes one rate per rate-limited link ({', '.join(limited) or 'none'}), got {args.rates}"
+    if args.slow is not None and not 0 <= args.slow[0] < args.ranks:
+        return f"--slowdown {args.slowdown}: rank {args.slow[0]} is not one of the {args.ranks} ranks"
+    if args.round_cap is not None and args.round_cap < args.micro_batches // 2:
+        return f"--round-cap must be at least a round's micro-batches ({args.micro_batches // 2}), got {args.round_cap}"
+    if args.slow is not None and "--out" not in args.argv and "RANK" not in os.environ:
+        args.out = args.out.with_name(f"time_to_loss-slow{args.slow[1]}x-{args.ranks}ranks.json")
     if any(common.method_spec(m).family == "diloco" for m in args.methods) and common.torchft_version() is None:
         return (f"DiLoCo runs through torchft, which does not import here: {common.TORCHFT_INSTALL} (or leave the "
                 "diloco methods out)")
@@ -123,6 +154,20 @@ class AgreedClock:
             self._work = None
 
 
+def follow_batch(method: common.AccoMethod, args: argparse.Namespace, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                 weight: float) -> None:
+    """``--lr-follows-batch``: the next update's lr is the schedule's times a power of
+    ``weight`` (the last committed update's global weight: the step it made in the public
+    ``committed_weight``) over a fixed-loop update's."""
+    if args.lr_follows_batch == "none":
+        return
+    fixed = method.micro_batches_per_update * dist.get_world_size() * (
+        method.config.batch_size if method.spec.balanced else 1)  # one weight per micro-batch, or per sequence
+    scale = (weight / fixed) ** (0.5 if args.lr_follows_batch == "sqrt" else 1.0)
+    for group, lr in zip(method.opt.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr * scale
+
+
 def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, train_data: torch.Tensor,
                eval_set: list[tuple[torch.Tensor, torch.Tensor]], initial_loss: float) -> dict[str, Any]:
     """Train ``name`` for the budget; its evaluation points and what they cost."""
@@ -134,7 +179,11 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
         return {"method": name, "skipped": str(error)}
     # DiLoCo schedules its inner steps itself; the others step theirs per committed update.
     scheduler = torch.optim.lr_scheduler.LambdaLR(method.opt, warmup_constant(args.warmup)) if method.opt else None
-    next_batch = common.batches(train_data, config, config.seed + 1000 * rank)  # the same stream in every method
+    slowdown = float(args.slow[1]) if args.slow is not None and args.slow[0] == rank else 1.0
+    sized = config
+    if slowdown > 1.0 and method.spec.balanced:  # a micro-batch the slow rank computes in a fast one's time
+        sized = dataclasses.replace(config, batch_size=max(1, round(config.batch_size / slowdown)))
+    next_batch = common.batches(train_data, sized, config.seed + 1000 * rank)  # the same stream in every method
     params = list(method.module.parameters())
     setup_s = time.perf_counter() - setup_started
     window = common.Window(args.max_quiet_wait)
@@ -142,6 +191,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     clock = AgreedClock()
     snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     computed = rounds = counted = 0
+    committed_weight = 0.0
     next_eval, due, last_commit = args.eval_every, False, 0.0
 
     def snapshot(elapsed: float) -> None:
@@ -152,12 +202,15 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
         clock.pause(time.perf_counter() - started)
 
     while True:
-        record = common.train_round(method, next_batch)
+        record = common.train_round(method, next_batch, slowdown=slowdown, max_micro_batches=args.round_cap)
         computed, rounds, now = computed + len(record.losses), rounds + 1, clock.elapsed()
         if record.committed:
             counted, last_commit = counted + 1, now
             if scheduler is not None:
                 scheduler.step()
+            if isinstance(method, common.AccoMethod):
+                follow_batch(method, args, scheduler, method.opt.committed_weight - committed_weight)
+                committed_weight = method.opt.committed_weight
         agreed = clock.exchange(now)
         if clock.budget_reached(agreed, args.budget):
             break
@@ -238,6 +291,8 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "config": {**config.as_dict(), "seeds": args.seeds, "ranks": args.ranks, "budget_s": args.budget,
                    "eval_every_s": args.eval_every, "eval_batches": args.eval_batches,
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
+                   "slowdown": None if args.slow is None else {"rank": args.slow[0], "factor": args.slow[1]},
+                   "round_cap": args.round_cap, "lr_follows_batch": args.lr_follows_batch,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
                    "diloco": {"implementation": "torchft", "torchft": common.torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
@@ -245,22 +300,23 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["benchmarks/time_to_loss.py", *args.argv]),
         "rates": {}, "runs": [],
     }
-    if args.rates is None:
-        labels = RATE_LABELS[:1] if args.quick else RATE_LABELS
+    limited = [link for link in args.links if link != UNLIMITED]
+    if limited and args.rates is None:
         targs = throughput.BENCHMARK.parse([
-            "--ranks", str(args.ranks), "--rates", *labels, "--micro-batches", str(args.micro_batches),
+            "--ranks", str(args.ranks), "--rates", *limited, "--micro-batches", str(args.micro_batches),
             "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.batch_size)])
         results["calibration"] = throughput.calibrate_rates(targs, args.ranks)
         results["calibration_runtime_s"] = time.perf_counter() - started
-        results["rates"] = {name: results["calibration"]["targets"][name]["rate"] for name in labels}
+        rates = {name: results["calibration"]["targets"][name]["rate"] for name in limited}
     else:
-        results["rates"], results["calibration"] = dict(zip(RATE_LABELS, args.rates)), {"given": True}
+        rates, results["calibration"] = dict(zip(limited, args.rates or [])), {"given": True}
+    results["rates"] = {link: rates.get(link, UNLIMITED) for link in args.links}
     for name, rate in results["rates"].items():
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
             run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
-                                   rate=rate, netns=True)
+                                   rate=None if rate == UNLIMITED else rate, netns=True)
             run.update(label=name, rate=rate)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started
@@ -364,7 +420,9 @@ def fraction_cell(entry: dict[str, Any]) -> str:
         return f"not reached ({shown})" if len(fractions) > 1 else "not reached"
     if len(fractions) == 1:
         return f"{fractions[0]:.2f}"
-    return f"**{entry['median_time_fraction']:.2f}** ({min(fractions):.2f}-{max(fractions):.2f})"
+    reached = [f for f in fractions if f is not None]
+    missed = f", {len(fractions) - len(reached)} not reached" if len(reached) < len(fractions) else ""
+    return f"**{entry['median_time_fraction']:.2f}** ({min(reached):.2f}-{max(reached):.2f}{missed})"
 
 
 def table(data: dict[str, Any]) -> str:
@@ -378,7 +436,7 @@ def table(data: dict[str, Any]) -> str:
             per_byte = f"{e['lo_bytes_per_update'] / 1e6:.2f}" if e.get("lo_bytes_per_update") else "-"
             if e.get("lo_bytes_per_sync"):
                 per_byte += f" ({e['lo_bytes_per_sync'] / 1e6:.1f} per sync)"
-            rows.append([common.label(name), fraction_cell(e), spread(e["final_loss"], ".3f"),
+            rows.append([method_label(data, name), fraction_cell(e), spread(e["final_loss"], ".3f"),
                          f"{e['updates_per_s']:.2f}" if e.get("updates_per_s") is not None else "-",
                          f"{e['micro_batches_per_update']:.1f}" if e.get("micro_batches_per_update") else "-",
                          spread(e["updates_to_target"], ".0f"), spread(e["loss_at_baseline_updates"], ".3f"),
@@ -412,18 +470,46 @@ def section(data: dict[str, Any]) -> str:
     elif data.get("rates"):
         intro += " Rates given on the command line: " + ", ".join(
             f"{name} {common.rate_text(rate)}" for name, rate in data["rates"].items()) + "."
-    lines = [f"- {rate}: the best acco configuration, {common.label(row[0])}, reaches ZeRO-1's final loss in "
-             f"{row[1]:.2f} of the budget (bar: <= {BAR[rate]}): {'met' if row[1] <= BAR[rate] else '**not met**'}."
-             for rate, row in best_acco(s).items() if row is not None]
+    if cfg.get("slowdown"):
+        intro = f"{slowdown_text(cfg)}; {intro[0].lower()}{intro[1:]}"
+    if cfg.get("lr_follows_batch", "none") != "none":
+        intro += (f" acco's lr follows the committed batch: times (the last update's global weight / a fixed-loop "
+                  f"update's)^{'0.5' if cfg['lr_follows_batch'] == 'sqrt' else '1'}.")
+    lines = [f"- {rate}: the best acco configuration, {method_label(data, row[0])}, reaches ZeRO-1's final loss in "
+             f"{row[1]:.2f} of the budget (bar: <= {bar(data, rate)}): "
+             f"{'met' if row[1] <= bar(data, rate) else '**not met**'}."
+             for rate, row in best_acco(data).items() if row is not None]
     skipped = {n: e["skipped"] for r in s.values() for n, e in r["methods"].items() if "final_loss" not in e}
     lines += [f"- Not run: {common.label(name)}: {reason}." for name, reason in skipped.items()]
     return "\n".join([intro, "", table(data)] + lines)
 
 
-def best_acco(s: dict[str, Any]) -> dict[str, tuple[str, float] | None]:
+def slowdown_text(cfg: dict[str, Any]) -> str:
+    slow = cfg["slowdown"]
+    cap = f", the `ready()` loop capped at {cfg['round_cap']} micro-batches per round" if cfg.get("round_cap") else ""
+    return (f"**rank {slow['rank']} {slow['factor']}x slower** (it sleeps {slow['factor'] - 1} x each micro-batch's "
+            f"CPU time after it){cap}")
+
+
+def method_label(data: dict[str, Any], name: str) -> str:
+    """The registry's label, with the run's slowdown factor where it says FACTOR."""
+    slow = data["config"].get("slowdown")
+    return common.label(name).replace("FACTOR", str(slow["factor"]) if slow else "FACTOR")
+
+
+def bar(data: dict[str, Any], rate: str) -> float | None:
+    """The issue's bar for this run's link (and slowdown), if it sets one."""
+    cfg = data["config"]
+    if not cfg.get("slowdown"):
+        return BAR.get(rate)
+    return MIXED_BAR.get((cfg["ranks"], cfg["slowdown"]["factor"], rate))
+
+
+def best_acco(data: dict[str, Any]) -> dict[str, tuple[str, float] | None]:
     """Per rate with a bar: the acco configuration that reaches ZeRO-1's loss soonest."""
+    s = data.get("summary") or summary(data)
     return {rate: (r["best_acco"], r["methods"][r["best_acco"]]["median_time_fraction"]) if r.get("best_acco") else None
-            for rate, r in s.items() if rate in BAR}
+            for rate, r in s.items() if bar(data, rate) is not None}
 
 
 def plot(data: dict[str, Any], path: Path) -> str:
@@ -443,14 +529,18 @@ def plot(data: dict[str, Any], path: Path) -> str:
                 points = run["methods"][name]["points"]
                 ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=spec.colour,
                         ls=spec.line, lw=2 if name == BASELINE else 1.3, alpha=1.0 if i == 0 else 0.35,
-                        marker="." if i == 0 else None, label=common.label(name).replace("`", "") if i == 0 else None)
+                        marker="." if i == 0 else None,
+                        label=method_label(data, name).replace("`", "") if i == 0 else None)
         for goal in s[rate]["targets"].values():
             ax.axhline(goal["loss"], color="gray", lw=0.7, ls="--")
         ax.axvline(budget, color="gray", lw=0.7)
         losses = [p["loss"] for r in runs for m in r["methods"].values() for p in m.get("points", [])]
         ax.set_ylim(min(losses) - 0.05, initial + 0.05)
+        slow = data["config"].get("slowdown")
+        title = f"{rate} ({common.rate_text(s[rate]['rate'])})" + (
+            f", {data['config']['ranks']} ranks, rank {slow['rank']} {slow['factor']}x slower" if slow else "")
         ax.set(xlabel="training seconds (evaluation excluded)", ylabel="held-out loss",
-               title=f"{rate} ({common.rate_text(s[rate]['rate'])}); faint: other seeds; dashed: ZeRO-1's final loss")
+               title=f"{title}; faint: other seeds; dashed: ZeRO-1's final loss")
         if column == 0:
             ax.legend(fontsize=7, loc="upper right")
     bars = fig.add_subplot(grid[1, :])
@@ -462,37 +552,81 @@ def plot(data: dict[str, Any], path: Path) -> str:
         for x, v in zip(xs, values):
             if v is None:
                 bars.text(x, 0.02, "not reached", rotation=90, fontsize=7, ha="center", va="bottom")
-        if rate in BAR:
-            bars.axhline(BAR[rate], color=f"C{j}", lw=0.8, ls="--")
+        if bar(data, rate) is not None:
+            bars.axhline(bar(data, rate), color=f"C{j}", lw=0.8, ls="--")
     bars.axhline(1.0, color="gray", lw=0.7)
-    bars.set_xticks(range(len(names)), [common.label(n).replace("`", "") for n in names], rotation=20, ha="right",
-                    fontsize=8)
+    bars.set_xticks(range(len(names)), [method_label(data, n).replace("`", "") for n in names], rotation=20,
+                    ha="right", fontsize=8)
     bars.set(ylabel="fraction of the budget (median over seeds)",
              title="time to DDP + ZeRO-1's final held-out loss (dashed: the issue's bar at each rate)")
     bars.legend(fontsize=8)
     return common.save_figure(fig, path, dpi=100)
 
 
+def mixed_runs(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The results files of runs with one rank slower (``--slowdown``), by file stem."""
+    return {stem: data for stem, data in sorted(results.items()) if data.get("config", {}).get("slowdown")}
+
+
+def mixed_overview(results: dict[str, Any]) -> str:
+    """One row per mixed-speed run and link: each method's time to ZeRO-1's final loss."""
+    runs = mixed_runs(results)
+    names = list(dict.fromkeys(n for data in runs.values() for r in summary_of(data).values() for n in r["methods"]))
+    rows = []
+    for stem, data in runs.items():
+        cfg = data["config"]
+        for rate, r in summary_of(data).items():
+            settings = [f"cap {cfg['round_cap']}" if cfg.get("round_cap") else "",
+                        "lr x (batch ratio)^0.5" if cfg.get("lr_follows_batch") == "sqrt" else "",
+                        "lr x batch ratio" if cfg.get("lr_follows_batch") == "linear" else ""]
+            rows.append([f"{cfg['slowdown']['factor']}x", str(cfg["ranks"]), f"{rate} ({common.rate_text(r['rate'])})",
+                         ", ".join(str(seed) for seed in cfg["seeds"]), ", ".join(x for x in settings if x) or "-",
+                         *(fraction_cell(r["methods"][n]) if "final_loss" in r["methods"].get(n, {}) else "-"
+                           for n in names), f"[{stem}.json](benchmarks/results/{stem}.json)"])
+    header = ["one rank slower by", "ranks", "network", "seeds", "ready() loop settings",
+              *(method_label({"config": {}}, n) for n in names), "results"]
+    return ("Time to DDP + ZeRO-1's final held-out loss, as a share of the same wall-clock budget (median over "
+            "seeds, min-max in brackets; \"not reached\": not within the budget); FACTOR is the slow rank's factor.\n\n"
+            + common.md_table(header, rows))
+
+
+def summary_of(data: dict[str, Any]) -> dict[str, Any]:
+    return data.get("summary") or summary(data)
+
+
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
     data = results["time_to_loss"]
-    return {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
+    out = {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
+    mixed = mixed_runs(results)
+    if mixed:
+        out["time_to_loss-mixed"] = "\n\n".join(
+            f"`{data['command']}`\n\n{section(data)}\n\n![{stem}](results/{plot(data, figures / f'{stem}.png')})"
+            for stem, data in mixed.items())
+        out["which-loop-mixed"] = mixed_overview(results)
+    return out
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    data = results["time_to_loss"]
-    return [(f"{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= {BAR[rate]} of "
-             "the same wall-clock budget (time_to_loss.py, median over seeds)",
-             f"{row[1]:.2f} ({common.label(row[0])})" if row else "not reached",
-             row is not None and row[1] <= BAR[rate])
-            for rate, row in best_acco(data.get("summary") or summary(data)).items()]
+    rows = []
+    for data in [results["time_to_loss"], *mixed_runs(results).values()]:
+        cfg = data["config"]
+        where = f"{slowdown_text(cfg)}, {cfg['ranks']} ranks, " if cfg.get("slowdown") else ""
+        rows += [(f"{where}{rate}: the best acco configuration reaches DDP + ZeRO-1's final held-out loss in <= "
+                  f"{bar(data, rate)} of the same wall-clock budget (time_to_loss.py, median over seeds)",
+                  f"{row[1]:.2f} ({method_label(data, row[0])})" if row else "not reached",
+                  row is not None and row[1] <= bar(data, rate))
+                 for rate, row in best_acco(data).items()]
+    return rows
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
-    data = results["time_to_loss"]
-    rows = [("time_to_loss", data["runtime_s"])]
-    if data.get("calibration_runtime_s"):
-        rows.append(("  calibration", data["calibration_runtime_s"]))
-    return rows + [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
+    rows = []
+    for stem, data in [("time_to_loss", results["time_to_loss"]), *mixed_runs(results).items()]:
+        rows.append((stem, data["runtime_s"]))
+        if data.get("calibration_runtime_s"):
+            rows.append(("  calibration", data["calibration_runtime_s"]))
+        rows += [(f"  {r['label']}, seed {r['seed']}", r["runtime_s"]) for r in data["runs"]]
+    return rows
 
 
 BENCHMARK = common.Benchmark("time_to_loss", __doc__, arguments, rank, sweep, check=check, quick={"budget": 6.0})
