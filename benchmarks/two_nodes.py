@@ -164,11 +164,11 @@ class HSDPMethod(MeshMethod):
         return [self.opt]
 
 
-class AccoOnMesh(MeshMethod, common.AccoMethod):
+class AccoOnMesh(MeshMethod):
     """acco across ``process_group`` (the replicate dimension, or every rank for flat acco),
     on a model that FSDP2 shards over ``shard_mesh`` (None: a plain model), with the
     issue's API: ``AccoOptimizer(model, AdamW, process_group=...)`` (param groups: no decay
-    on biases, LayerNorms and embeddings, as every method)."""
+    on biases, LayerNorms and embeddings, as every method). Weight 1 per micro-batch."""
 
     def __init__(self, name: str, config: common.ModelConfig, micro_batches_per_update: int,
                  shard_mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None) -> None:
@@ -178,7 +178,7 @@ class AccoOnMesh(MeshMethod, common.AccoMethod):
                 fully_shard(block, mesh=shard_mesh)
             fully_shard(model, mesh=shard_mesh)
         spec = METHODS[name]
-        MeshMethod.__init__(self, name, config, micro_batches_per_update, model, 2 if spec.mode == "acco" else 1)
+        super().__init__(name, config, micro_batches_per_update, model, 2 if spec.mode == "acco" else 1)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
         self.opt = acco.AccoOptimizer(param_groups(model, config.weight_decay), torch.optim.AdamW,
                                       process_group=process_group, mode=spec.mode, lr=config.lr, betas=config.betas,
@@ -186,6 +186,24 @@ class AccoOnMesh(MeshMethod, common.AccoMethod):
         # acco's committed weight counts the micro-batches of its group's ranks; each of them
         # stands for a replica group of this many ranks (FSDP2 averaged over them already)
         self.ranks_per_member = dist.get_world_size() // dist.get_world_size(process_group)
+
+    def fold(self) -> None:
+        self.opt.accumulate()
+
+    def end_round(self) -> bool:
+        return self.opt.step()
+
+    def ready(self) -> bool:
+        return self.opt.ready()
+
+    def finish(self) -> bool:
+        return self.opt.finish()
+
+    def round_stats(self) -> list[Any]:
+        return list(self.opt.round_stats)
+
+    def committed_updates(self, counted: int) -> int:
+        return self.opt.num_updates
 
     def committed_micro_batches(self, counted: int) -> float:
         return self.opt.committed_weight * self.ranks_per_member
