@@ -401,3 +401,40 @@ def test_ready_loop_light_estimate_and_a_skipped_nan_on_a_mesh(ranks) -> None:
     assert {r["skipped"] for r in results} == {1}
     assert {r["updates"] for r in results} == {results[0]["updates"]}
     assert all(torch.isfinite(v).all() for v in results[0]["params"].values())
+
+
+def ready_loop_rank() -> dict:
+    """The ready() loop with replica group 1 slower: the groups fold different numbers of
+    micro-batches each round; what each rank folded is returned for the reference."""
+    import time
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    model = build("fsdp", mesh)
+    cls, hp = OPTIMIZERS["sgd"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="acco", max_grad_norm=MAX_NORM,
+                        timeout=TIMEOUT, **hp)  # fmt: skip
+    counts = []
+    for r in range(ROUNDS * 2):
+        n = 0
+        while n < 1 or not opt.ready():
+            loss_fn(model, *micro_batch(r, rank, n)).backward()
+            opt.accumulate()
+            n += 1
+            if rank // S == 1:
+                time.sleep(0.02)  # a slower replica group: the other one accumulates meanwhile
+        counts.append(n)
+        opt.step()
+    opt.finish()
+    return {"params": full_params(model), "counts": counts}
+
+
+def test_ready_loop_equals_the_recurrence_on_the_micro_batches_each_rank_folded(ranks) -> None:
+    results = ranks(4).run(ready_loop_rank)
+    assert_all_ranks_equal(results)
+    rounds = [
+        [(*micro_batch(r, rank, i), 1.0) for rank in range(R * S) for i in range(results[rank]["counts"][r])]
+        for r in range(ROUNDS * 2)
+    ]
+    expected = RECURRENCES["acco"](params_of(make_model()), "sgd", rounds, max_norm=MAX_NORM)
+    assert_params_close(results[0]["params"], expected, rtol=TOLERANCE["sgd"], atol=TOLERANCE["sgd"])
