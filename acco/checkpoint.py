@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 
-from acco.mesh import is_dtensor
+from acco.collectives import Collectives
+from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.optim import AccoOptimizer
-from acco.portable import canonical, rank_group_state, rank_round, round_sums, to_portable
+from acco.portable import canonical, per_element, rank_group_state, rank_round, round_sums, to_portable
 
 __all__ = ["full_state_dict", "latest_checkpoint", "load", "reshard", "save"]
 
@@ -70,14 +70,37 @@ def save(
     """
     final = Path(directory)
     partial = final.with_name(final.name + _PARTIAL)
-    if optimizer.on_mesh:
-        return _save_portable(final, partial, optimizer, model, extra, keep)
-    comm = optimizer.collectives
-    if comm.rank == 0:
+    # On a mesh every rank of it writes (DCP stores each DTensor block once); otherwise
+    # acco's group, each rank its own shard.
+    mesh = optimizer.on_mesh
+    comm = _writers(optimizer)
+    rank, barrier = comm.rank, comm.barrier
+    if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.parent.mkdir(parents=True, exist_ok=True)
-    comm.barrier()
-    rank = comm.rank
+    barrier()
+    if mesh:
+        state = _portable_entries(optimizer, model, extra, rank)
+    else:
+        state = _own_entries(optimizer, model, extra, rank)
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
+    barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _write_atomically(final.parent / _LATEST, final.name)
+        if keep is not None:
+            _prune(final.parent, keep, final)
+    barrier()
+    return final
+
+
+def _own_entries(
+    optimizer: AccoOptimizer, model: nn.Module | None, extra: Mapping[str, Any] | None, rank: int
+) -> dict[str, Tensor]:
+    """What a rank of acco's group writes: its own state dict, its extra values, the model
+    (from rank 0 only) and the digests of all of it."""
     state: dict[str, Tensor] = {}
     _flatten_into(state, f"acco.rank{rank}", optimizer.state_dict())
     if extra is not None:
@@ -90,17 +113,7 @@ def save(
     # DCP keeps no checksums: each rank records the digests of what it writes.
     digests = {key: _digest(value) for key, value in state.items()}
     state[f"acco.rank{rank}.digests"] = _json_tensor(digests)
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
-    comm.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        _write_atomically(final.parent / _LATEST, final.name)
-        if keep is not None:
-            _prune(final.parent, keep, final)
-    comm.barrier()
-    return final
+    return state
 
 
 def load(
@@ -148,7 +161,7 @@ def load(
             state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer, mesh=optimizer.on_mesh))
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
     except (Exception, CheckpointException) as error:  # DCP's own exception is a BaseException
         raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
     for r in ranks:
@@ -179,25 +192,19 @@ def load(
 _PORTABLE = "acco.portable"
 
 
-def _save_portable(
-    final: Path, partial: Path, optimizer: AccoOptimizer, model: nn.Module | None, extra: Mapping[str, Any] | None,
-    keep: int | None,
-) -> Path:
-    """:func:`save` with DTensor parameters: the portable state dict (one DTensor per
-    parameter and state entry, at its global offsets) and the model's state dict, written
-    by every rank of the mesh (DCP stores each block once). Collective over the default group."""
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+def _portable_entries(
+    optimizer: AccoOptimizer, model: nn.Module | None, extra: Mapping[str, Any] | None, rank: int
+) -> dict[str, Any]:
+    """What a rank of a mesh writes: the portable state dict (one DTensor per parameter and
+    state entry, at its global offsets; scalars in a JSON skeleton), the model's state dict
+    and its extra values. Collective (``state_dict()`` gathers over acco's group)."""
     portable = optimizer.state_dict()
     state: dict[str, Any] = {}
     skeleton: dict[str, Any] = {"param_groups": portable["param_groups"], "state": {}}
     for pid, entry in portable["state"].items():
         skeleton["state"][str(pid)] = {}
         for key, value in entry.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
+            if per_element(value):
                 state[f"{_PORTABLE}.{pid}.{key}"] = value
                 skeleton["state"][str(pid)][key] = {"tensor": True}
             else:  # a scalar (Adam's step): the same on every rank
@@ -209,20 +216,11 @@ def _save_portable(
             state[f"model.{name}"] = value.detach()
     if extra is not None:
         _flatten_into(state, f"extra.rank{rank}", dict(extra))
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        _write_atomically(final.parent / _LATEST, final.name)
-        if keep is not None:
-            _prune(final.parent, keep, final)
-    dist.barrier()
-    return final
+    return state
 
 
 def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimizer, model: nn.Module | None) -> dict[str, Any]:
-    """:func:`load` of a checkpoint written by :func:`_save_portable`, into any layout: each
+    """:func:`load` of a checkpoint written on a mesh (:func:`_portable_entries`), into any layout: each
     entry is read into a tensor shaped like this rank's parameter (a DTensor with its mesh
     and placements, or the whole tensor), DCP resharding it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -247,7 +245,7 @@ def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimi
             state[key] = value.detach().clone()
             model_keys[key] = name
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer, mesh=True))
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), **_dcp_group(optimizer))
     except (Exception, CheckpointException) as error:  # DCP's own exception is a BaseException
         raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
     skeleton = json.loads(bytes(state[f"{_PORTABLE}.skeleton"].tolist()).decode())
@@ -267,7 +265,7 @@ def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimi
     if model is not None:
         model.load_state_dict({name: state[key] for key, name in model_keys.items()})
     optimizer.load_state_dict(target)
-    own = f"extra.rank{_global_rank()}"
+    own = f"extra.rank{Collectives.global_rank()}"
     prefix = own if any(k.startswith(own + ".") for k in state) else "extra.rank0"
     return _unflatten(state, prefix) if any(k.startswith(prefix + ".") for k in state) else {}
 
@@ -277,16 +275,9 @@ def _template(param: Tensor, entry: Any, key: str, path: Path) -> Tensor:
     if tuple(entry.size) != tuple(param.shape):
         raise ValueError(f"{path}: {key} has shape {tuple(entry.size)}, this parameter {tuple(param.shape)}")
     if is_dtensor(param):
-        from torch.distributed.tensor import DTensor
-
-        local = torch.empty(param.to_local().shape, dtype=entry.properties.dtype, device=param.device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())  # fmt: skip
+        return dtensor_like(torch.empty(local_tensor(param).shape, dtype=entry.properties.dtype, device=param.device),
+                            param)  # fmt: skip
     return torch.empty(entry.size, dtype=entry.properties.dtype)
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -452,11 +443,16 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _dcp_group(optimizer: AccoOptimizer, mesh: bool = False) -> dict[str, Any]:
-    if mesh and dist.is_available() and dist.is_initialized():
-        return {}  # every rank of the mesh: the default group
-    if optimizer.collectives.active:
-        return {"process_group": optimizer.collectives.group}
+def _writers(optimizer: AccoOptimizer) -> Collectives:
+    """The ranks that write and read a checkpoint: every rank of the mesh (the default
+    group) with DTensor parameters, acco's group otherwise."""
+    return Collectives.from_user_group(None) if optimizer.on_mesh else optimizer.collectives
+
+
+def _dcp_group(optimizer: AccoOptimizer) -> dict[str, Any]:
+    comm = _writers(optimizer)
+    if comm.active:
+        return {"process_group": comm.group}
     return {"no_dist": True}
 
 

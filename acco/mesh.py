@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
 
 from acco.collectives import Collectives
 
-__all__ = ["InnerMesh", "MeshParam", "is_dtensor", "local_tensor"]
+__all__ = ["InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -48,6 +48,13 @@ def local_tensor(param: Tensor) -> Tensor:
         with torch.no_grad():
             return param.to_local()
     return param
+
+
+def dtensor_like(local: Tensor, param: Tensor) -> Tensor:
+    """``local`` (shaped like this rank's block of DTensor ``param``) as a DTensor with
+    ``param``'s mesh, placements, global shape and stride."""
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())  # fmt: skip
 
 
 class MeshParam:

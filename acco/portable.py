@@ -28,10 +28,10 @@ from torch import Tensor
 
 from acco.buffers import ShardedGroup
 from acco.layout import Layout, ShardPlan, plan_layout
-from acco.mesh import is_dtensor, local_tensor
+from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.state import STATE_VERSION
 
-__all__ = ["CanonicalGroup", "canonical", "from_portable", "is_portable", "rank_group_state", "to_portable"]
+__all__ = ["CanonicalGroup", "canonical", "from_portable", "is_portable", "per_element", "rank_group_state", "to_portable"]
 
 # Per-parameter entries acco adds beside the base optimizer's own state.
 MASTER, PENDING, IN_FLIGHT = "acco_master", "acco_pending_grad", "acco_in_flight_result"
@@ -139,7 +139,7 @@ def to_portable(
             if values.in_flight is not None:
                 entry[IN_FLIGHT] = _portable(values.in_flight[i], param)
             for key, value in values.state[i].items():
-                entry[key] = _portable(value, param) if _per_element(value) else value
+                entry[key] = _portable(value, param) if per_element(value) else value
             state[pid] = entry
             pid += 1
     meta = {
@@ -185,7 +185,7 @@ def from_portable(
                 in_flight.append(_local(entry[IN_FLIGHT], shape, param))
             state.append(
                 {
-                    key: _local(value, shape, param) if _per_element(value) else value
+                    key: _local(value, shape, param) if per_element(value) else value
                     for key, value in entry.items()
                     if key not in _ACCO_KEYS
                 }
@@ -223,7 +223,7 @@ def _scaled(round_: dict[str, Any], factor: float) -> dict[str, Any]:
     return out
 
 
-def _per_element(value: Any) -> bool:
+def per_element(value: Any) -> bool:
     """Whether a state value is per element (Adam's moments), not a scalar (its step)."""
     return isinstance(value, Tensor) and value.dim() > 0
 
@@ -232,11 +232,7 @@ def _portable(value: Tensor, param: Tensor) -> Tensor:
     """``value`` (shaped like ``param``'s local tensor) shaped like ``param`` itself."""
     if not is_dtensor(param):
         return value.reshape(param.shape)
-    from torch.distributed.tensor import DTensor
-
-    local = value.reshape(local_tensor(param).shape)
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())  # fmt: skip
+    return dtensor_like(value.reshape(local_tensor(param).shape), param)
 
 
 def _local(value: Any, shape: torch.Size, param: Tensor) -> Tensor:
