@@ -339,7 +339,28 @@ class FSDPMethod(Method):
         return True
 
 
-class AccoMethod(Method):
+class AccoRounds:
+    """The round boundary of a method driven by an ``AccoOptimizer`` in ``self.opt``."""
+
+    opt: Any
+
+    def end_round(self) -> bool:
+        return self.opt.step()
+
+    def ready(self) -> bool:
+        return self.opt.ready()
+
+    def finish(self) -> bool:
+        return self.opt.finish()
+
+    def round_stats(self) -> list[Any]:
+        return list(self.opt.round_stats)
+
+    def committed_updates(self, counted: int) -> int:
+        return self.opt.num_updates
+
+
+class AccoMethod(AccoRounds, Method):
     """``AccoOptimizer`` (this checkout's, or another's: ``acco_module``) in one of its modes;
     acco's update spans two rounds of half the micro-batches, so every method computes the
     same micro-batches per update."""
@@ -371,21 +392,6 @@ class AccoMethod(Method):
     def fold(self) -> None:
         # balanced: micro-batches of different sizes, each a mean over its sequences
         self.opt.accumulate(weight=float(self._sequences) if self.spec.balanced else None)
-
-    def end_round(self) -> bool:
-        return self.opt.step()
-
-    def ready(self) -> bool:
-        return self.opt.ready()
-
-    def finish(self) -> bool:
-        return self.opt.finish()
-
-    def round_stats(self) -> list[Any]:
-        return list(self.opt.round_stats)
-
-    def committed_updates(self, counted: int) -> int:
-        return self.opt.num_updates
 
     def committed_micro_batches(self, counted: int) -> float:
         # weight 1 per micro-batch, every rank; balanced: one per sequence, in full micro-batches

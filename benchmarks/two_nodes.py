@@ -164,7 +164,7 @@ class HSDPMethod(MeshMethod):
         return [self.opt]
 
 
-class AccoOnMesh(MeshMethod):
+class AccoOnMesh(common.AccoRounds, MeshMethod):
     """acco across ``process_group`` (the replicate dimension, or every rank for flat acco),
     on a model that FSDP2 shards over ``shard_mesh`` (None: a plain model), with the
     issue's API: ``AccoOptimizer(model, AdamW, process_group=...)`` (param groups: no decay
@@ -184,29 +184,13 @@ class AccoOnMesh(MeshMethod):
                                       process_group=process_group, mode=spec.mode, lr=config.lr, betas=config.betas,
                                       max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5))
         # acco's committed weight counts the micro-batches of its group's ranks; each of them
-        # stands for a replica group of this many ranks (FSDP2 averaged over them already)
-        self.ranks_per_member = dist.get_world_size() // dist.get_world_size(process_group)
+        # stands for a replica group of opt.replica_size ranks (FSDP2 averaged over them already)
 
     def fold(self) -> None:
         self.opt.accumulate()
 
-    def end_round(self) -> bool:
-        return self.opt.step()
-
-    def ready(self) -> bool:
-        return self.opt.ready()
-
-    def finish(self) -> bool:
-        return self.opt.finish()
-
-    def round_stats(self) -> list[Any]:
-        return list(self.opt.round_stats)
-
-    def committed_updates(self, counted: int) -> int:
-        return self.opt.num_updates
-
     def committed_micro_batches(self, counted: int) -> float:
-        return self.opt.committed_weight * self.ranks_per_member
+        return self.opt.committed_weight * self.opt.replica_size
 
     def base_optimizers(self) -> list[torch.optim.Optimizer]:
         return [b for b in self.opt.base_optimizers if b is not None]
