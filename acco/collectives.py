@@ -7,6 +7,7 @@ reduce-scatter, gloo with CUDA tensors) are handled once. See docs/design.md, "C
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 from typing import Any
@@ -33,6 +34,7 @@ class Collectives:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
+        self.released = False  # see release(): no collective may run afterwards
         # The gloo reduce-scatter's first-piece receive buffer, per (size, dtype, device).
         self._scratch: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
@@ -75,6 +77,44 @@ class Collectives:
         group = dist.new_group(ranks, timeout=timeout, backend=self.backend, use_local_synchronization=True)
         return Collectives(group)
 
+    def drain(self) -> None:
+        """Collective: return once this group's worker threads hold no finished collective.
+
+        Why it matters at exit: a gloo group's worker thread frees a finished collective's
+        tensors after the caller has returned, and freeing a tensor Python made takes the
+        GIL. A thread that waits for the GIL until the interpreter is finalising is ended by
+        Python mid-C++ frame, and the process aborts ("terminate called without an active
+        exception") after a clean run. Queueing a barrier waits for that thread (with the
+        GIL released), and a barrier holds no tensor.
+        """
+        if self.active:
+            dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        """At interpreter exit, not collective: destroy a gloo group :meth:`new_lane_group` or
+        :meth:`new_group` made (its threads are joined, the GIL released meanwhile: see
+        :meth:`drain` for why), then :meth:`release`. A group on another backend is only
+        released: NCCL's teardown waits for the peers. Safe after the user's
+        ``destroy_process_group()``.
+
+        Only at exit: torch names a group made with ``use_local_synchronization`` by its ranks
+        and the number of groups alive, so a group made after this one is destroyed can get its
+        name, and its rendezvous then reads this group's stale addresses from the store.
+        """
+        group = self.group
+        self.release()
+        if group is None or self.backend != "gloo":
+            return
+        with contextlib.suppress(ValueError):  # "Invalid process group": destroyed already
+            dist.destroy_process_group(group)
+        # The last reference goes with this frame.
+
+    def release(self) -> None:
+        """Drop this object's reference to its group, so that torch frees it when the user
+        destroys it; every collective raises ``RuntimeError`` afterwards."""
+        self.group = None
+        self.released = True
+
     def group_ranks(self) -> list[int]:
         """The global ranks of this group ([this rank] without one)."""
         if self.group is None:
@@ -101,6 +141,8 @@ class Collectives:
 
     @property
     def active(self) -> bool:
+        if self.released:
+            raise RuntimeError("a collective after the optimizer gave its process groups back (finish() or close())")
         return self.group is not None and (self.world_size > 1 or self.communicate_alone)
 
     def broadcast_(self, tensor: Tensor, src: int = 0) -> None:

@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -306,9 +307,23 @@ def _run(fn: Callable[[], Any], ticket: Any, future: Future, hooks: DeviceHooks,
     except BaseException as error:  # handed to the compute lane, never swallowed
         with contextlib.suppress(BaseException):
             hooks.after()  # a failed round's work stays ordered before the teardown
+        _drop_locals(error)
         future.set_exception(error)
     else:
         future.set_result((value, done))
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the finished frames of ``error``'s tracebacks (its causes' too): the message
+    and the lines stay, the locals go. The error is kept until the compute lane reads it,
+    often until exit, and those locals would keep process groups alive past the optimizer's
+    teardown (see :meth:`acco.collectives.Collectives.drain`) and buffers past ``close()``.
+    What the lane allocated was allocated on its own stream, so freeing it here is safe."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 class ThreadLane:
@@ -333,19 +348,21 @@ class ThreadLane:
         """``submit(fn).result(timeout)``: e.g. to allocate state on the lane's stream."""
         return self.submit(fn).result(timeout)
 
-    def close(self, timeout: float = 0.0, keep: Any = None) -> None:
+    def close(self, timeout: float = 0.0, keep: Any = None) -> bool:
         """Stop the worker once its current round (if any) ends; waits up to ``timeout`` s.
 
-        Never waits on the device: the worker synchronises its own stream before it exits
-        and only then drops ``keep`` (tensors the last rounds may still read). A round blocked
-        in a collective ends when the collective does (at the latest after the process
-        group's timeout); the thread is a daemon, so it never keeps the process alive.
+        Never waits on the device itself: the worker synchronises its own stream before it
+        exits and only then drops ``keep`` (tensors the last rounds may still read; kept from
+        the first call). A round blocked in a collective ends when the collective does (at
+        the latest after the process group's timeout); the thread is a daemon, so it never
+        keeps the process alive. Returns whether the worker has ended.
         """
         if not self._closed:
             self._closed = True
             self._tasks.put((_STOP, keep))
         if timeout > 0 and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:

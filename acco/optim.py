@@ -12,6 +12,7 @@ and launches the next round. Each concern lives in its own module: docs/design.m
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
 import functools
@@ -29,7 +30,7 @@ from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
 from acco.mesh import InnerMesh
 from acco.portable import from_portable, is_portable, rank_round, round_sums, to_portable
-from acco.lane import make_lane
+from acco.lane import ThreadLane, make_lane
 from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
 from acco.layout import Layout, ShardPlan
 from acco.options import (
@@ -52,6 +53,66 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
+
+# The longest the exit hook waits for the last round of an optimizer never finished (at
+# most its timeout): it normally lands at once (every rank's lane runs it); a dead peer fails it sooner.
+EXIT_WAIT_SECONDS = 60.0
+
+
+class _Started:
+    """What an optimizer started and gives back: the comm lane's thread, the process groups
+    acco made (``owned``) and its reference to the user's group (``borrowed``).
+
+    Kept apart from the optimizer, so that the exit hook can reach it without keeping the
+    optimizer alive. The lane's thread goes first (a round may still use the groups), then
+    the groups, drained or destroyed (:meth:`Collectives.drain` says why) and dropped.
+    """
+
+    def __init__(self, lane: ThreadLane, owned: list[Collectives], borrowed: Collectives, exit_wait: float) -> None:
+        self._lane = lane
+        self._owned = owned
+        self._borrowed = borrowed
+        self.exit_wait = exit_wait
+        _NOT_GIVEN_BACK.add(self)
+
+    def finish(self, wait: float, keep: Any) -> None:
+        """Every rank, the lane drained (``finish()``): join the lane's thread, drain and drop
+        the groups (torch destroys them in ``destroy_process_group()`` or at exit)."""
+        if self._give_back(wait, keep):
+            for comm in self._owned:
+                comm.drain()
+
+    def close(self, keep: Any) -> None:
+        """This rank alone (``close()``, collection): stop the lane's thread once its round ends;
+        the groups stay for the exit hook (another rank may still be using them)."""
+        self._lane.close(0.0, keep)
+
+    def at_exit(self, wait: float) -> None:
+        """Interpreter exit without ``finish()``: wait up to ``wait`` s for the lane's last
+        round, then destroy and drop the groups. A lane still busy (a peer gone) keeps them."""
+        if self._give_back(wait, None):
+            for comm in self._owned:
+                comm.destroy()
+
+    def _give_back(self, wait: float, keep: Any) -> bool:
+        """Whether the lane's thread has ended (then this object leaves the exit hook's set
+        and drops the user's group; the caller deals with the owned ones)."""
+        if self not in _NOT_GIVEN_BACK or not self._lane.close(wait, keep):
+            return False
+        _NOT_GIVEN_BACK.discard(self)
+        self._borrowed.release()
+        return True
+
+
+# Everything not given back yet; the exit hook gives it back before the interpreter
+# finalises (a job that never calls finish(): an exception, a forgotten call).
+_NOT_GIVEN_BACK: set[_Started] = set()
+
+
+@atexit.register
+def _give_back_at_exit() -> None:
+    for started in list(_NOT_GIVEN_BACK):
+        started.at_exit(started.exit_wait)
 
 
 class AccoOptimizer(torch.optim.Optimizer):
@@ -173,8 +234,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         # every backward, so they must run the same number of micro-batches).
         self._replica_comm = self._comm.new_group(inner.replica_ranks, timeout) if inner.replica_size > 1 else None
         self._lane = make_lane(self._groups[0].device)
+        owned = [comm for comm in (self._lane_comm, mesh_comm, self._replica_comm) if comm is not None]
+        self._started = _Started(self._lane, owned, self._comm, min(options.wait_seconds, EXIT_WAIT_SECONDS))
+        # Collected unfinished: the lane's thread stops (the exit hook gives the groups back).
         # The worker drops the flat buffers only after its stream has finished with them.
-        weakref.finalize(self, self._lane.close, 0.0, self._groups)
+        weakref.finalize(self, self._started.close, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
         self._runner = RoundRunner(
             self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options,
@@ -308,6 +372,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._schedule.failure is not None:
             self.close()
             self._check_usable("finish")
+        landed = False
         try:
             round_ = self._schedule.in_flight
             if round_ is not None and round_.kind is RoundKind.ESTIMATE:
@@ -319,19 +384,30 @@ class AccoOptimizer(torch.optim.Optimizer):
             if self._buffer_sync is not None:  # once more, without delay: identical from here on
                 self._buffer_sync.land(self._final_buffer_sync(), exact=True)
             self._recorder.resolve(block=True)
+            landed = True
             return committed
         finally:
             self._folder.release_views()  # p.grad no longer points into acco's buffers
-            self.close()
+            self._stop(collective=landed)
 
     def close(self) -> None:
         """Stop without landing the round in flight (not collective; for error paths): the comm
-        lane's thread stops once its current round ends, at the latest after ``timeout``."""
+        lane's thread stops once its current round ends, at the latest after ``timeout``, and
+        the process groups acco made are given back then (or at interpreter exit)."""
+        self._stop(collective=False)
+
+    def _stop(self, collective: bool) -> None:
+        """Close the optimizer and give back what it started (:class:`_Started`).
+        ``collective``: every rank is here with the lane drained (``finish()``)."""
         self._closed = True
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
         # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
-        self._lane.close(keep=(self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._base))
+        keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._base)
+        if collective:
+            self._started.finish(self.options.wait_seconds, keep)
+        else:
+            self._started.close(keep)
 
     def __enter__(self) -> AccoOptimizer:
         return self
