@@ -218,6 +218,12 @@ class GradFolder:
         hooks (only accumulate() counts them), or some p.grad holds them."""
         return self._folded is not None or self.holds_unfolded_grads()
 
+    @property
+    def grads_in_views(self) -> bool:
+        """Whether every group's ``p.grad`` is a view of its accumulator (equal weights, and
+        dtypes that allow it), so that a scan of ``p.grad`` sees the round's gradients."""
+        return all(self._views)
+
     def holds_unfolded_grads(self) -> bool:
         """Whether some ``p.grad`` holds a gradient not yet in the accumulator."""
         return any(

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
+from acco.amp import inverse_scale
 from acco.buffers import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
@@ -169,6 +170,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         ``process_group`` must call them, in the same order.
     """
 
+
+    # torch.amp.GradScaler's contract for an optimizer that unscales its own gradients:
+    # scaler.step(opt) calls step() directly, with grad_scale and found_inf set (acco.amp).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -348,9 +353,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._folder.check_all_accumulated("step()")
         if self._schedule.launched == 0 and self._schedule.current.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
+        inv_scale = inverse_scale(self, self.mode, self._folder.grads_in_views)  # scaler.step(opt)
         with record_function("acco.step"):
             committed = self._land_in_flight()
-            self._launch()
+            self._launch(inv_scale)
             if self.mode is Mode.SYNC:
                 committed = self._land_in_flight()
         return committed
@@ -499,8 +505,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         for group in self._groups:
             group.take_live_back(restore)
 
-    def _launch(self) -> None:
-        """Hand this round's gradients over and start the next round on the comm lane."""
+    def _launch(self, inv_scale: Tensor | None = None) -> None:
+        """Hand this round's gradients over and start the next round on the comm lane
+        (``inv_scale``: a GradScaler's, :mod:`acco.amp`)."""
         keep_accumulating = self._schedule.next_kind is RoundKind.ESTIMATE
         with self._folder.views_released():
             grads = [group.hand_over(keep_accumulating) for group in self._groups]
@@ -509,7 +516,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         # schedule exactly as in sync mode.
         hyperparams = [base_hyperparams(g) for g in self.param_groups]
         snapshot = None if self._buffer_sync is None else self._buffer_sync.snapshot()
-        self._schedule.launch(grads, hyperparams, snapshot, lambda round_: self._lane.submit(lambda: self._runner.run(round_)))
+        submit = lambda round_: self._lane.submit(lambda: self._runner.run(round_))  # noqa: E731
+        self._schedule.launch(grads, hyperparams, snapshot, submit, inv_scale)
 
     def _land_in_flight(self) -> bool:
         """Wait for the round in flight and load its result into the model."""

@@ -54,6 +54,8 @@ class Round:
         future: the comm lane's result.
         buffer_snapshot: the module buffers the round synchronises (None: none kept).
         waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
+        inv_scale: a GradScaler's inverse scale, which this rank's gradients are multiplied
+            by before they are summed (:mod:`acco.amp`); None without a scaler.
     """
 
     kind: RoundKind
@@ -65,6 +67,7 @@ class Round:
     future: LaneFuture[RoundStats] | None = None
     buffer_snapshot: BufferSnapshot | None = None
     waited: bool = False
+    inv_scale: Tensor | None = None
 
 
 class RoundSchedule:
@@ -101,12 +104,14 @@ class RoundSchedule:
         hyperparams: list[dict[str, Any]],
         buffer_snapshot: BufferSnapshot | None,
         submit: Callable[[Round], LaneFuture[RoundStats]],
+        inv_scale: Tensor | None = None,
     ) -> None:
         """Put the next round, with the weights accumulated for it, in flight (``submit``
         hands it to the comm lane); advances the schedule."""
         kind = self.next_kind
         stats = RoundStats(self.launched, kind, self.current.micro_batches, self.current.host)
-        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats, None, buffer_snapshot)
+        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats, None, buffer_snapshot,
+                       inv_scale=inv_scale)
         if kind is RoundKind.COMMIT:
             self.pending = WeightSum()
         self.current = WeightSum()

@@ -75,6 +75,10 @@ class RoundRunner:
         stats, record = round_.stats, self._recorder
         record.lane_start(stats)
         try:
+            if round_.inv_scale is not None:  # a GradScaler's: each rank unscales its own
+                with record.phase(stats, "unscale"):
+                    for grads in round_.grads:
+                        grads.mul_(round_.inv_scale)
             with record.phase(stats, "totals"):
                 update_weight, nonfinite = self._totals(round_)
             if nonfinite:  # no update: the round's result is the committed shard, unchanged
@@ -167,7 +171,8 @@ class RoundRunner:
             )
         if nonfinite:  # before the reduce-scatter, which may reuse the buffer's other chunks
             nonfinite = self._confirm_nonfinite(round_.grads)
-        if nonfinite and self._options.nonfinite is NonFinite.RAISE:
+        # With a GradScaler an overflow is expected: the update is skipped, as GradScaler does.
+        if nonfinite and self._options.nonfinite is NonFinite.RAISE and round_.inv_scale is None:
             raise FloatingPointError(f"non-finite gradients on {int(nonfinite)} rank(s)")
         return update_weight, nonfinite
 

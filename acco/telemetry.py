@@ -47,7 +47,8 @@ class RoundStats:
         update_weight: the global weight the update divided by (an acco commit covers two
             rounds).
         lane_start / lane_end: when the comm lane started and finished the round.
-        phase_seconds: time spent in each lane phase (``totals``: the small all-reduce of
+        phase_seconds: time spent in each lane phase (``unscale`` with a GradScaler,
+            ``totals``: the small all-reduce of
             weights and flags, ``reduce-scatter``, ``grad-norm`` with ``max_grad_norm``,
             ``update``, ``all-gather``, ``buffers`` when module buffers are kept identical).
         phase_cpu_seconds: CPU time the lane's thread spent in each phase (host time only;
