@@ -369,7 +369,7 @@ def reshard(saved: list[dict[str, Any]], optimizer: AccoOptimizer) -> dict[str, 
         dtypes = {"master": old["master"].dtype, "grad_accumulator": old["grad_accumulator"].dtype,
                   "in_flight_result": None if old["in_flight_result"] is None else old["in_flight_result"].dtype}
         groups.append(rank_group_state(canonical(saved, index), plan, rank, header, dtypes))
-    round_ = rank_round(round_sums(saved), rank)
+    round_ = rank_round(round_sums([s["acco"]["round"] for s in saved]), rank)
     return {
         "state": {},
         "param_groups": saved[0]["param_groups"],

@@ -187,6 +187,20 @@ class Collectives:
             return None
         return [bytes(r[: int(s.item())].cpu().tolist()) for r, s in zip(received, sizes)]
 
+    def gather_objects(self, value: Any, dst: int) -> list[Any] | None:
+        """Every rank's ``value`` (picklable) on group rank ``dst``, in group rank order
+        (None on the others)."""
+        if not self.active:
+            return [value]
+        every: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(value, every, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        return every
+
+    def reduce_sum_(self, tensor: Tensor, dst: int) -> None:
+        """``tensor`` on group rank ``dst`` = the sum over ranks; undefined on the others."""
+        if self.active:
+            dist.reduce(tensor, dist.get_global_rank(self.group, dst), op=dist.ReduceOp.SUM, group=self.group)
+
     def all_gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable: tensors and plain values), in group rank order."""
         if not self.active:

@@ -45,7 +45,7 @@ from acco.options import (
     probe_defaults,
     resolve_groups,
 )
-from acco.rounds import CommLaneError, RoundKind, RoundSchedule
+from acco.rounds import CommLaneError, Round, RoundKind, RoundSchedule
 from acco.runner import RoundRunner
 from acco.state import build_state_dict, check_state_dict, restore_groups
 from acco.telemetry import RoundStats, StatsRecorder
@@ -253,6 +253,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._closed = False
         self._eval_at: int | None = None  # rounds launched when eval() set the live parameters aside
+        self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict()'s, on its rank
         self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
 
     def accumulate(self, weight: float | Tensor | None = None) -> None:
@@ -548,6 +549,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     def _check_call(self, call: str) -> None:
         """The checks every compute-lane call starts with (before any collective)."""
+        self._consolidated = None  # the state changes from here on
         self._check_usable(call)
         self._folder.check_outside_block(f"{call}()")
         for number, group in enumerate(self._groups):
@@ -563,18 +565,14 @@ class AccoOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer's state (schema: :mod:`acco.state`), tensors and
         plain values only. Waits for the round in flight, whose result is saved and still lands
-        at the next ``step()``: the natural moment is right after a ``step()``."""
+        at the next ``step()``: the natural moment is right after a ``step()``.
+
+        On the rank that :meth:`consolidate_state_dict` sent the state to, until the next
+        ``accumulate()`` or ``step()``: the whole state, which any world size loads."""
         self._check_usable("state_dict")
-        round_ = self._schedule.in_flight
-        if round_ is not None:
-            self._schedule.wait(round_)
-        own = build_state_dict(
-            self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
-            world_size=self.world_size, round_state=self._schedule.state_dict(),
-            counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
-                    "committed_weight": self.committed_weight},
-            buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
-        )  # fmt: skip
+        if self._consolidated is not None:
+            return self._consolidated
+        own = self._own_state_dict()
         if not self._mesh:
             return own
         # DTensor parameters: the portable form, which DCP reshards to any mesh. Collective.
@@ -582,16 +580,80 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._pending_to_rank_zero(saved)
         return to_portable(saved, [g["params"] for g in self.param_groups], self.replica_size)
 
-    def _pending_to_rank_zero(self, saved: list[dict[str, Any]]) -> None:
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
+        its next ``state_dict()`` (before any ``accumulate()`` or ``step()``) returns every
+        rank's part in one dict, which ``load_state_dict()`` on every rank of a fresh optimizer,
+        at any world size, turns into that rank's part. For loops that save one optimizer
+        state from rank 0 (nanoGPT, Lightning)::
+
+            opt.consolidate_state_dict(to=0)          # every rank
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+
+        Waits for the round in flight (whose result is saved). The pending gradients (an acco
+        estimate round's, kept for its commit) are summed onto rank 0, where a loading run puts
+        them too, so the saving run and a resumed one continue bit for bit alike. Rank ``to``
+        holds every rank's state meanwhile (the optimizer state once, plus one model-size
+        pending gradient per rank). Flat ranks only: with DTensor parameters ``state_dict()``
+        is already the portable whole (save it with ``torch.distributed.checkpoint`` or
+        :func:`acco.checkpoint.save`).
+
+        Raises:
+            ValueError: ``to`` is not a rank of the group, or the parameters are DTensors
+                (before any collective).
+            RuntimeError: gradients of a ``backward()`` not yet accumulated.
+
+        .. warning:: Collective: every rank must call it.
+        """
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"Invalid rank to consolidate on: {to!r} (0 <= to < {self.world_size})")
+        if self._mesh:
+            raise ValueError(
+                "consolidate_state_dict(): with DTensor parameters state_dict() is already the whole (portable) "
+                "state on every rank; save it with torch.distributed.checkpoint or acco.checkpoint.save"
+            )
+        self._check_usable("consolidate_state_dict")
+        self._folder.check_all_accumulated("consolidate_state_dict()")
+        self._wait_in_flight()  # the lane no longer reads what is moved next
+        self._pending_to_rank_zero()
+        saved = self._comm.gather_objects(self._own_state_dict(), dst=to)
+        if saved is not None:
+            self._consolidated = to_portable(saved, [g["params"] for g in self.param_groups])
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        """This rank's own state dict, once the round in flight has finished."""
+        round_ = self._wait_in_flight()
+        return build_state_dict(
+            self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
+            world_size=self.world_size, round_state=self._schedule.state_dict(),
+            counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
+                    "committed_weight": self.committed_weight},
+            buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
+        )  # fmt: skip
+
+    def _wait_in_flight(self) -> Round | None:
+        """The round in flight, once the comm lane has finished it (it still lands at the
+        next ``step()``)."""
+        round_ = self._schedule.in_flight
+        if round_ is not None:
+            self._schedule.wait(round_)
+        return round_
+
+    def _pending_to_rank_zero(self, saved: list[dict[str, Any]] | None = None) -> None:
         """Hold the pending gradients and weights as a load of the portable state would:
         their sums on rank 0, nothing elsewhere, so a run that saved and a run that loaded
-        continue bit for bit alike."""
+        continue bit for bit alike. From every rank's own state dict (``saved``), or else
+        by a reduce of the accumulators (collective)."""
         for index, group in enumerate(self._groups):
-            if self.rank == 0:
+            if saved is not None and self.rank == 0:
                 group.grad_accumulator.copy_(torch.stack([s["acco"]["groups"][index]["grad_accumulator"] for s in saved]).sum(0))
-            else:
+            elif saved is None:
+                self._comm.reduce_sum_(group.grad_accumulator, dst=0)
+            if self.rank != 0:
                 group.grad_accumulator.zero_()
-        self._schedule.load_state_dict(rank_round(round_sums(saved), self.rank))
+        rounds = [s["acco"]["round"] for s in saved] if saved is not None else self._comm.all_gather_objects(self._schedule.state_dict())
+        self._schedule.load_state_dict(rank_round(round_sums(rounds), self.rank))
 
     def check_state_dict(self, state_dict: Any) -> None:
         """``ValueError`` naming the first mismatch when ``state_dict`` does not fit this
@@ -612,8 +674,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Restore a state saved by :meth:`state_dict` with the same world size and layouts.
 
         Into a fresh optimizer (no ``accumulate()`` or ``step()`` yet), after the model's own
-        ``load_state_dict`` (this writes this rank's module buffers); for another world size or
-        layout use :func:`acco.checkpoint.load`. A mismatch is a ``ValueError``, before any change.
+        ``load_state_dict`` (this writes this rank's module buffers). A consolidated state
+        (:meth:`consolidate_state_dict`) or a portable one loads at any world size and layout,
+        every rank taking its part; for a rank's own state at another world size use
+        :func:`acco.checkpoint.load`. A mismatch is a ``ValueError``, before any change.
 
         .. warning:: Collective when the saved state has a round in flight (its result is
             all-gathered again on the comm lane): every rank must call it.

@@ -77,11 +77,12 @@ def canonical(saved: Sequence[dict[str, Any]], index: int) -> CanonicalGroup:
     return CanonicalGroup(master, state, in_flight, grad_sum)
 
 
-def round_sums(saved: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The round state with every rank's weights summed (what the next update divides by)."""
-    round_ = dict(saved[0]["acco"]["round"])
+def round_sums(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The round state (``acco.round`` of a state dict) with every rank's weights summed
+    (what the next update divides by)."""
+    round_ = dict(rounds[0])
     for key in _WEIGHTS:
-        round_[key] = sum(s["acco"]["round"][key] for s in saved)
+        round_[key] = sum(r[key] for r in rounds)
     return round_
 
 
@@ -145,7 +146,7 @@ def to_portable(
     meta = {
         key: value for key, value in first.items() if key not in ("rank", "world_size", "groups", "round", "buffers")
     }
-    meta["round"] = _scaled(round_sums(saved), replica_size)
+    meta["round"] = _scaled(round_sums([s["acco"]["round"] for s in saved]), replica_size)
     meta["groups"] = [
         {key: g[key] for key in ("optimizer_class", "param_dtype", "reduce_dtype")} for g in first["groups"]
     ]

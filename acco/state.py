@@ -156,7 +156,9 @@ def check_state_dict(
     if saved["world_size"] != world_size or saved["rank"] != rank:
         raise ValueError(
             f"state saved by rank {saved['rank']} of {saved['world_size']}, loading on rank {rank} of "
-            f"{world_size}: use acco.checkpoint.load to reshard"
+            f"{world_size}: this is one rank's shard. To save one file that every rank loads, call "
+            "opt.consolidate_state_dict(to=0) on every rank, then save opt.state_dict() on rank 0; or save "
+            "and load with acco.checkpoint.save / acco.checkpoint.load"
         )
     if len(saved["groups"]) != len(param_groups) or len(state_dict["param_groups"]) != len(saved["groups"]):
         raise ValueError(f"state has {len(saved['groups'])} param groups, this optimizer {len(param_groups)}")
