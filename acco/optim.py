@@ -16,6 +16,7 @@ import atexit
 import collections
 import datetime
 import functools
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -254,6 +255,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._eval_at: int | None = None  # rounds launched when eval() set the live parameters aside
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict()'s, on its rank
+        self._warned_zero_grad = False
         self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
 
     def accumulate(self, weight: float | Tensor | None = None) -> None:
@@ -311,9 +313,25 @@ class AccoOptimizer(torch.optim.Optimizer):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; raises ``RuntimeError`` when gradients of a
-        ``backward()`` were already folded into the accumulator (they cannot be discarded)."""
+        """As ``torch.optim.Optimizer.zero_grad``: drops ``p.grad`` (a ``backward()`` not yet
+        accumulated), never what ``accumulate()`` has folded into this round's accumulator,
+        which the next ``step()`` uses. Called between ``accumulate()`` and ``step()`` (where a
+        DDP loop would discard those gradients) it warns once; after ``step()`` it is silent.
+
+        Raises:
+            RuntimeError: gradients of a ``backward()`` were already folded into the
+                accumulator during ``backward()`` (they cannot be discarded).
+        """
         self._folder.before_zero_grad()  # p.grad views released: zeroing them would zero the sum
+        if self._schedule.current.micro_batches and not self._warned_zero_grad:
+            self._warned_zero_grad = True
+            warnings.warn(
+                f"zero_grad() after accumulate() discards nothing: the {self._schedule.current.micro_batches} "
+                "micro-batch(es) accumulated since the last step() stay in acco's accumulator and count at the "
+                "next step(). To leave a micro-batch out, do not call accumulate() for it (zero_grad() then "
+                "drops its p.grad). Warned once.",
+                stacklevel=2,
+            )
         super().zero_grad(set_to_none=set_to_none)
 
     def ready(self) -> bool:

@@ -16,6 +16,7 @@ base optimizer) are in tests/test_robustness.py.
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import pytest
 import torch
@@ -213,9 +214,35 @@ def test_a_folded_backward_cannot_be_discarded_by_zero_grad() -> None:
     with pytest.raises(RuntimeError, match="cannot be discarded"):
         opt.zero_grad()
     opt.accumulate()
-    opt.zero_grad()  # nothing pending: allowed, and p.grad no longer aliases the accumulator
+    # Nothing pending: allowed, and p.grad no longer aliases the accumulator, whose sum
+    # stays: a DDP user expecting it discarded is told, once.
+    with pytest.warns(UserWarning, match=r"discards nothing: the \d micro-batch\(es\) accumulated"):
+        opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert opt._groups[0].grad_accumulator.abs().sum() > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()  # once only
+        opt.step()
+        loss_fn(model, *micro_batch(1, 0, 1)).backward()
+        opt.accumulate()
+        opt.step()
+        opt.zero_grad()  # after step(), as every torch loop does: silent
+    opt.finish()
+
+
+def test_zero_grad_mid_round_warns_once_per_optimizer() -> None:
+    model, opt = lean_optimizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_fn(model, *micro_batch(0, 0, 1)).backward()
+        opt.accumulate()
+        opt.step()
+        opt.zero_grad()
+    loss_fn(model, *micro_batch(1, 0, 1)).backward()
+    opt.accumulate()
+    with pytest.warns(UserWarning, match="discards nothing"):
+        opt.zero_grad()
     opt.finish()
 
 
