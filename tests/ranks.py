@@ -21,6 +21,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankError", "RankLost", "RankPool", "free_port", "run_fresh"]
+__all__ = ["RankError", "RankLost", "RankPool", "free_port", "run_fresh", "run_script"]
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -228,3 +230,36 @@ def run_fresh(fn: Callable[..., Any], *args: Any, world_size: int = 2, torchrun:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+
+
+# ------------------------------------------------ a script, as torchrun runs it
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script: str, *args: str, world_size: int = 2, cwd: str | None = None,
+               timeout: float = 120.0) -> list[subprocess.CompletedProcess]:
+    """``python script *args`` on ``world_size`` ranks, each with torchrun's environment
+    variables (``MASTER_PORT`` a free port), run to its end: atexit and the interpreter's
+    finalisation happen as in a real job. Per rank, in rank order; a rank still running after
+    ``timeout`` seconds is killed (``subprocess.TimeoutExpired``)."""
+    port = str(free_port())
+    processes = []
+    for rank in range(world_size):
+        environment = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                           OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        processes.append(subprocess.Popen([sys.executable, script, *args], env=environment, cwd=cwd,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    finished = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=timeout)
+            finished.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return finished

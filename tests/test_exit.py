@@ -11,43 +11,20 @@ runs and the one with both in about 1 of 4 under torchrun.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.ranks import free_port
+from tests.ranks import run_script
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "exit_job.py"
+JOB = str(Path(__file__).resolve().parent / "exit_job.py")
 
 
-def run_job(mode: str, end: str, destroy: bool, world_size: int = 2) -> list[subprocess.CompletedProcess]:
-    """The job on ``world_size`` ranks, each with torchrun's environment variables."""
-    port = str(free_port())
-    processes = []
-    for rank in range(world_size):
-        environment = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                           OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        processes.append(subprocess.Popen(
-            [sys.executable, str(JOB), mode, end, "1" if destroy else "0"], env=environment,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    finished = []
-    try:
-        for process in processes:
-            out, err = process.communicate(timeout=120)
-            finished.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    return finished
+def run_job(mode: str, end: str, destroy: bool) -> list[subprocess.CompletedProcess]:
+    return run_script(JOB, mode, end, "1" if destroy else "0")
 
 
 def assert_clean_exit(results: list[subprocess.CompletedProcess], expected: int) -> None:
