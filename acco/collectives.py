@@ -85,9 +85,10 @@ class Collectives:
         GIL. A thread that waits for the GIL until the interpreter is finalising is ended by
         Python mid-C++ frame, and the process aborts ("terminate called without an active
         exception") after a clean run. Queueing a barrier waits for that thread (with the
-        GIL released), and a barrier holds no tensor.
+        GIL released), and a barrier holds no tensor. gloo only: that is where it was seen and
+        tested; another backend's teardown is left as torch does it.
         """
-        if self.active:
+        if self.active and self.backend == "gloo":
             dist.barrier(group=self.group)
 
     def destroy(self) -> None:

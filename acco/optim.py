@@ -83,6 +83,7 @@ class _Started:
         if self._give_back(wait, keep):
             for comm in self._owned:
                 comm.drain()
+                comm.release()
 
     def close(self, keep: Any) -> None:
         """This rank alone (``close()``, collection): stop the lane's thread once its round ends;

@@ -173,8 +173,8 @@ class AccoTrainer(Trainer):
 
     Raises:
         ValueError: an ``acco_*`` argument is invalid, or ``args`` asks for something acco
-            cannot honour: ``fp16`` (the gradient scaler would unscale gradients acco has
-            already taken), ``torch_compile``, ``deepspeed``, ``fsdp``,
+            cannot honour: ``fp16`` (the Trainer's GradScaler unscales ``p.grad`` to clip;
+            acco unscales on its comm lane: :mod:`acco.amp`), ``torch_compile``, ``deepspeed``, ``fsdp``,
             ``parallelism_config``, ``auto_find_batch_size``, a metric-driven
             ``lr_scheduler_type``, an odd ``gradient_accumulation_steps`` in ``acco`` mode, an
             ``optim`` that does not map to a torch (or transformers) optimizer class, more than
@@ -655,7 +655,8 @@ def _token_weights(batches: Sequence[Any], counts_tokens: bool, shifts_labels: b
 def _check_training_args(args: TrainingArguments, mode: Mode) -> None:
     """ValueError for each TrainingArguments setting acco cannot honour."""
     rejected = [
-        ("fp16", bool(args.fp16), "its gradient scaler unscales p.grad, which acco has already consumed; use bf16"),
+        ("fp16", bool(args.fp16), "the Trainer unscales p.grad through its GradScaler to clip, and acco unscales on "
+         "its comm lane (a hand-written loop may use a GradScaler in sync or dpu mode); use bf16"),
         ("torch_compile", bool(args.torch_compile), "the compiled wrapper would be wrapped in DDP by accelerate"),
         ("deepspeed", bool(args.deepspeed), "DeepSpeed brings its own sharded optimizer"),
         ("fsdp", bool(args.fsdp), "FSDP shards parameters and reduces gradients itself"),
