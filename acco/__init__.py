@@ -3,11 +3,11 @@
 See docs/design.md for the algorithm and a map of the modules.
 """
 
-from acco.layout import Layout
+from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.optim import AccoOptimizer
-from acco.options import Mode, NonFinite
-from acco.rounds import CommLaneError, RoundKind
+from acco.options import Mode, NonFinite, RoundKind
+from acco.rounds import CommLaneError
 from acco.telemetry import RoundStats
 
 __all__ = ["AccoOptimizer", "BufferPolicy", "CommLaneError", "Layout", "Mode", "NonFinite", "RoundKind", "RoundStats"]

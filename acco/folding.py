@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from acco.buffers import ShardedGroup
+from acco.sharding import ShardedGroup
 from acco.mesh import is_dtensor
 
 __all__ = ["GradFolder", "WeightSum", "checked_weight", "fold_grads"]

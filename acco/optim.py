@@ -27,14 +27,14 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from acco.amp import inverse_scale
-from acco.buffers import build_groups, start_identical
+from acco.startup import build_groups, start_identical
 from acco.collectives import Collectives
 from acco.folding import GradFolder, checked_weight
 from acco.mesh import InnerMesh
 from acco.portable import from_portable, is_portable, rank_round, round_sums, to_portable
-from acco.lane import ThreadLane, make_lane
+from acco.streams import ThreadLane, make_lane
 from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
-from acco.layout import Layout, ShardPlan
+from acco.sharding import Layout, ShardPlan
 from acco.options import (
     DEFAULT_TIMEOUT,
     Mode,
@@ -45,8 +45,9 @@ from acco.options import (
     check_estimate_dtypes,
     probe_defaults,
     resolve_groups,
+    RoundKind,
 )
-from acco.rounds import CommLaneError, Round, RoundKind, RoundSchedule
+from acco.rounds import CommLaneError, Round, RoundSchedule
 from acco.runner import RoundRunner
 from acco.state import build_state_dict, check_state_dict, restore_groups
 from acco.telemetry import RoundStats, StatsRecorder

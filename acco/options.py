@@ -17,23 +17,11 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from acco.layout import Layout
+from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.quantize import check_estimate_dtype
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "Mode",
-    "NonFinite",
-    "Options",
-    "base_hyperparams",
-    "build_base_optimizer",
-    "check_estimate_dtypes",
-    "check_optimizer_class",
-    "parse_enum",
-    "probe_defaults",
-    "resolve_groups",
-]
+__all__ = ["DEFAULT_TIMEOUT", "Mode", "NonFinite", "Options", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -53,6 +41,14 @@ class NonFinite(str, enum.Enum):
 
     RAISE = "raise"  # CommLaneError on every rank; shards and state untouched
     SKIP = "skip"  # no update on any rank; reported in RoundStats.skipped and skipped_updates
+
+
+class RoundKind(str, enum.Enum):
+    """An estimate round places the look-ahead theta~ and changes no state; a commit round
+    updates the master shard and the optimizer state."""
+
+    ESTIMATE = "estimate"
+    COMMIT = "commit"
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and

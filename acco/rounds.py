@@ -9,7 +9,6 @@ round's gradients stay in the accumulator for the commit round after it.
 
 from __future__ import annotations
 
-import enum
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,20 +19,12 @@ from torch.profiler import record_function
 from torch import Tensor
 
 from acco.folding import WeightSum
-from acco.lane import LaneFuture
+from acco.streams import LaneFuture
 from acco.module_buffers import BufferSnapshot
-from acco.options import Mode
+from acco.options import Mode, RoundKind
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["CommLaneError", "Round", "RoundKind", "RoundSchedule"]
-
-
-class RoundKind(str, enum.Enum):
-    """An estimate round places the look-ahead theta~ and changes no state; a commit round
-    updates the master shard and the optimizer state."""
-
-    ESTIMATE = "estimate"
-    COMMIT = "commit"
+__all__ = ["CommLaneError", "Round", "RoundSchedule"]
 
 
 class CommLaneError(RuntimeError):

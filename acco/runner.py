@@ -15,12 +15,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from acco.buffers import ShardedGroup
+from acco.sharding import ShardedGroup
 from acco.collectives import Collectives
-from acco.lane import DeviceHooks
+from acco.streams import DeviceHooks
 from acco.module_buffers import BufferSync
 from acco.options import NonFinite, Options
-from acco.rounds import CommLaneError, Round, RoundKind
+from acco.options import RoundKind
+from acco.rounds import CommLaneError, Round
 from acco.telemetry import RoundStats, StatsRecorder
 
 __all__ = ["RoundRunner"]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from acco.buffers import ShardedGroup
+from acco.sharding import ShardedGroup
 from acco.module_buffers import BufferSnapshot, BufferSync
 from acco.options import Options, base_hyperparams
 

@@ -15,15 +15,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 from torch.profiler import record_function
 
-from acco.lane import DeviceHooks, Stamp
-
-if TYPE_CHECKING:
-    from acco.rounds import RoundKind
+from acco.options import RoundKind
+from acco.streams import DeviceHooks, Stamp
 
 __all__ = ["RoundStats", "StatsRecorder"]
 

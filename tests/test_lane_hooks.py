@@ -19,7 +19,7 @@ import torch
 
 import acco.optim
 from acco import AccoOptimizer
-from acco.lane import CpuHooks, ThreadLane
+from acco.streams import CpuHooks, ThreadLane
 from tests.reference import loss_fn, make_model, micro_batch
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from acco.buffers import ShardedGroup
-from acco.lane import CpuHooks
-from acco.layout import plan_flat
+from acco.sharding import ShardedGroup
+from acco.streams import CpuHooks
+from acco.sharding import plan_flat
 from acco.options import Mode, Options
-from acco.rounds import CommLaneError, RoundKind, RoundSchedule
+from acco.options import RoundKind
+from acco.rounds import CommLaneError, RoundSchedule
 from acco.runner import RoundRunner
 from acco.telemetry import StatsRecorder
 

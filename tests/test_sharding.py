@@ -1,4 +1,4 @@
-"""Property tests for :mod:`acco.layout` and :mod:`acco.buffers`: plans, flat buffers and gradient accumulation.
+"""Property tests for :mod:`acco.sharding`: plans, flat buffers and gradient accumulation.
 
 Every property is checked for both layouts over random lists of shapes (0-4 dims, small
 sizes, zero-size dims sometimes, 1..12 tensors) and world sizes 1..8.
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acco.buffers import ShardedGroup
+from acco.sharding import ShardedGroup
 from acco.folding import fold_grads
-from acco.layout import Layout, ShardPlan, plan_flat, plan_layout, plan_tensor
+from acco.sharding import Layout, ShardPlan, plan_flat, plan_layout, plan_tensor
 
 pytestmark = pytest.mark.timeout(60)
 LAYOUTS = [Layout.FLAT, Layout.TENSOR]

@@ -1,4 +1,8 @@
-"""The comm lane: the worker thread where a round's reduce-scatter -> update -> all-gather runs.
+"""The comm lane: where a round's reduce-scatter -> update -> all-gather runs.
+
+A "stream" here is a lane of work beside the training thread's: a CUDA side stream on a
+GPU, and on every device the worker thread that drives it (on CPU the thread is the whole
+lane). The module's name is the design card's.
 
 One design for every device: a daemon worker thread runs the rounds one at a time, in
 submission order, and hands each result (or exception) back through a future whose every

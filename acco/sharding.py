@@ -1,86 +1,139 @@
-"""One param group's buffers: the accumulator, the hand-over buffer, the master shard.
+"""Sharding: how a param group's parameters are cut into shards, and the buffers that hold them.
 
-See docs/design.md, "Buffers and memory" for the formula :meth:`ShardedGroup.buffer_bytes`
-reports against.
+Layouts and shard plans. A param group's parameters live in one padded flat buffer of
+``world_size * chunk`` elements; rank ``r`` owns ``[r * chunk, (r + 1) * chunk)``. The
+*layout* decides where each parameter sits in that buffer (docs/design.md, "Shards and
+layouts"):
+
+- ``flat``: parameters back to back, the buffer cut into equal chunks whatever the tensor
+  boundaries (perfect balance; exact for element-wise optimizers).
+- ``tensor``: every tensor whole inside one rank's chunk, tensors spread greedily
+  (largest first, onto the least loaded rank), each chunk padded to the largest load so
+  reduce-scatter and all-gather stay single calls.
+
+The sharded buffers. :class:`ShardedGroup` holds one param group's flat buffers (the
+accumulator, the hand-over buffer, the gathered result) and this rank's master shard;
+:class:`ShardCopy` the estimate round's copy of the shard and its optimizer state
+(:mod:`acco.startup` builds them from the options). docs/design.md, "Buffers and memory", has the formula
+:meth:`ShardedGroup.buffer_bytes` reports against.
 """
 
 from __future__ import annotations
 
 import copy
-import warnings
+import enum
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from acco.collectives import Collectives
-from acco.layout import Layout, ShardPlan, plan_layout
 from acco.mesh import InnerMesh, MeshParam, local_tensor
-from acco.module_buffers import BufferSync
-from acco.options import Mode, Options
 from acco.quantize import dequantize_row
 
-__all__ = ["ShardCopy", "ShardedGroup", "build_groups", "start_identical"]
+__all__ = [
+    "Layout",
+    "ShardCopy",
+    "ShardPlan",
+    "ShardedGroup",
+    "Slot",
+    "plan_flat",
+    "plan_layout",
+    "plan_tensor",
+]
 
 
-def build_groups(
-    param_groups: Sequence[dict[str, Any]], options: Options, rank: int, world_size: int, inner: InnerMesh | None = None
-) -> list[ShardedGroup]:
-    """One :class:`ShardedGroup` per param group, as ``options.mode`` needs them; with
-    ``inner`` (DTensor parameters) each works on the parameters' local tensors."""
-    groups = [
-        ShardedGroup(
-            g["params"],
-            plan_layout(g["layout"], [local_tensor(p).shape for p in g["params"]], world_size),
-            rank,
-            param_dtype=options.param_dtype,
-            reduce_dtype=options.reduce_dtype,
-            # sync computes nothing while a round runs: the round reduces, updates and
-            # gathers in the accumulator itself.
-            double_buffered=options.mode is not Mode.SYNC,
-            # sync and dpu load each round's result as the committed parameters: with
-            # fp32 parameters those hold the master shard (acco's hold estimates).
-            master_in_params=options.mode is not Mode.ACCO,
-            inner=inner,
-        )
-        for g in param_groups
-    ]
-    if any(g.reduce_dtype.itemsize < 4 for g in groups):
-        warnings.warn(
-            "acco accumulates gradients in reduce_dtype, here a 16-bit type: sums over many "
-            "micro-batches lose precision; pass reduce_dtype=torch.float32 to accumulate in fp32",
-            stacklevel=3,
-        )
-    return groups
+class Layout(str, enum.Enum):
+    """How a param group's parameters are cut into per-rank shards."""
+
+    FLAT = "flat"
+    TENSOR = "tensor"
 
 
-def start_identical(
-    groups: Sequence[ShardedGroup],
-    comm: Collectives,
-    options: Options,
-    header: list[str],
-    buffer_sync: BufferSync | None = None,
-) -> None:
-    """Check that every rank built the same groups (and module buffers), then give every
-    rank rank 0's parameters and buffers. ``ValueError`` on every rank when the model, mode,
-    layout or optimizer class differs. Collective."""
-    extra = "" if buffer_sync is None else buffer_sync.fingerprint()
-    fingerprint = "|".join(
-        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra]
-        + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
-    )
-    if not comm.same_on_all_ranks(fingerprint):
-        raise ValueError(
-            "AccoOptimizer: the model, mode, layout or optimizer class differs across ranks "
-            f"(this rank: {fingerprint[:200]!r})"
-        )
-    for group in groups:
-        initial = group.initial_values()
-        comm.broadcast_(initial, src=0)
-        group.set_initial_values(initial)
-    if buffer_sync is not None:
-        buffer_sync.land(buffer_sync.synchronised(comm, broadcast=True), exact=True)
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the padded flat buffer."""
+
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The placement of one param group's parameters across ``world_size`` ranks."""
+
+    layout: Layout
+    world_size: int
+    chunk: int
+    slots: tuple[Slot, ...]
+
+    @property
+    def padded_numel(self) -> int:
+        return self.chunk * self.world_size
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        """The ``[start, stop)`` range of the flat buffer that ``rank`` owns."""
+        return rank * self.chunk, (rank + 1) * self.chunk
+
+    def owner(self, index: int) -> int | None:
+        """The rank holding all of parameter ``index``, or None if it straddles ranks."""
+        slot = self.slots[index]
+        first = min(slot.offset // self.chunk, self.world_size - 1)  # an empty slot may sit at the very end
+        if slot.numel == 0 or (slot.offset + slot.numel - 1) // self.chunk == first:
+            return first
+        return None
+
+    def owned(self, rank: int) -> list[int]:
+        """Indices of the parameters whose elements all lie in ``rank``'s chunk."""
+        return [i for i in range(len(self.slots)) if self.owner(i) == rank]
+
+
+def _shapes(shapes: Sequence[Sequence[int]]) -> list[torch.Size]:
+    return [torch.Size(s) for s in shapes]
+
+
+def plan_flat(shapes: Sequence[Sequence[int]], world_size: int) -> ShardPlan:
+    """Back-to-back parameters, the buffer cut into ``world_size`` equal chunks."""
+    sizes = _shapes(shapes)
+    slots, offset = [], 0
+    for size in sizes:
+        slots.append(Slot(offset, size.numel(), size))
+        offset += size.numel()
+    chunk = max(1, math.ceil(offset / world_size))
+    return ShardPlan(Layout.FLAT, world_size, chunk, tuple(slots))
+
+
+def plan_tensor(shapes: Sequence[Sequence[int]], world_size: int) -> ShardPlan:
+    """Whole tensors per rank, assigned largest first to the least loaded rank.
+
+    The largest chunk is at most ``ceil(total / world_size) + max(numel)``, the usual
+    bound for greedy list scheduling.
+    """
+    sizes = _shapes(shapes)
+    loads = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i].numel(), i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += sizes[i].numel()
+    chunk = max(1, max(loads))
+    local_offset = [0] * world_size
+    slots = []
+    for i, size in enumerate(sizes):
+        rank = owner[i]
+        slots.append(Slot(rank * chunk + local_offset[rank], size.numel(), size))
+        local_offset[rank] += size.numel()
+    return ShardPlan(Layout.TENSOR, world_size, chunk, tuple(slots))
+
+
+def plan_layout(layout: Layout, shapes: Sequence[Sequence[int]], world_size: int) -> ShardPlan:
+    return plan_flat(shapes, world_size) if layout is Layout.FLAT else plan_tensor(shapes, world_size)
+
+
+# ------------------------------------------------------------- the sharded buffers
 
 
 class ShardedGroup:
