@@ -402,9 +402,12 @@ class Progress:
     ``round_stats``) over the wall time, leaving evaluation and checkpoint time out.
     """
 
-    def __init__(self, opt: AccoOptimizer, sequences_per_micro_batch: int) -> None:
+    def __init__(self, opt: AccoOptimizer, sequences_per_micro_batch: int, ranks_per_counted: int = 1) -> None:
         self.opt = opt
         self.sequences = sequences_per_micro_batch
+        # acco counts a replica group's micro-batches once (its ranks reduce one mean
+        # gradient); under FSDP each of the group's ranks computed micro-batches of its own.
+        self.ranks_per_counted = ranks_per_counted
         self.start = self.window_start = time.perf_counter()
         self.paused = self.window_paused = 0.0
         self.samples = 0
@@ -431,7 +434,7 @@ class Progress:
         for stats in self.opt.round_stats:
             if stats.index >= self.next_round:
                 rounds.append(stats)
-                self.samples += stats.global_micro_batches * self.sequences
+                self.samples += stats.global_micro_batches * self.ranks_per_counted * self.sequences
         if rounds:
             self.next_round = rounds[-1].index + 1
 
@@ -444,7 +447,7 @@ class Progress:
         loss = torch.stack(self.window_losses).float().mean().item() if self.window_losses else math.nan
         hidden = statistics.fmean(r.hidden_share for r in rounds) if rounds else math.nan
         local = statistics.fmean(r.local_micro_batches for r in rounds) if rounds else math.nan
-        total = statistics.fmean(r.global_micro_batches for r in rounds) if rounds else math.nan
+        total = statistics.fmean(r.global_micro_batches * self.ranks_per_counted for r in rounds) if rounds else math.nan
         norms = [r.grad_norm for r in rounds if r.kind is RoundKind.COMMIT and not math.isnan(r.grad_norm)]
         norm = norms[-1] if norms else math.nan
         self.window_start, self.window_paused, self.window_losses = now, 0.0, []
@@ -453,6 +456,17 @@ class Progress:
             f"{rate:7.1f} samples/s | micro-batches/round rank 0 {local:.1f} all {total:.1f} | "
             f"comm hidden {hidden:4.0%} | {now - self.start:6.1f} s"
         )
+
+
+def data_parallel_ranks(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
+    """(ranks drawing micro-batches of their own, micro-batches computed per one that acco
+    counts). Flat: every rank, 1. ``--mesh RxS --inner fsdp``: every rank, S (acco counts a
+    replica group's micro-batches once). ``--inner tp``: R (a group's S ranks share theirs), 1."""
+    if not args.mesh:
+        return world_size, 1
+    if args.inner == "tp":
+        return world_size // args.mesh[1], 1
+    return world_size, args.mesh[1]
 
 
 def timed(progress: Progress, fn, *args):  # type: ignore[no-untyped-def]
@@ -490,6 +504,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
     train_data, held_out = split_corpus(corpus, args.seq_len)
     # Each rank its own data; under tensor parallelism a replica group's ranks share theirs.
     data_rank = ctx.rank // args.mesh[1] if args.mesh and args.inner == "tp" else ctx.rank
+    data_ranks, ranks_per_counted = data_parallel_ranks(args, ctx.world_size)
     generator = torch.Generator().manual_seed(args.seed + data_rank)
     eval_set = eval_batches(held_out, args.eval_batches, args.batch_size, args.seq_len, args.seed, ctx.device)
     slowdown = parse_slowdown(args.slowdown)
@@ -535,11 +550,11 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters | "
         f"corpus {len(train_data):,} train + {len(held_out):,} held-out bytes | "
         f"{args.updates} updates x {args.micro_batches_per_update} micro-batches x {args.batch_size} sequences "
-        f"x {ctx.world_size} rank(s) | {per_round} micro-batches per round"
+        f"x {data_ranks} data-parallel rank(s) | {per_round} micro-batches per round"
         + (f" | mesh {args.mesh[0]}x{args.mesh[1]}, {args.inner} inside" if args.mesh else "")
         + (" (or more, while the round in flight is not done)" if args.accumulate_while_waiting else ""),
     )
-    progress = Progress(opt, args.batch_size)
+    progress = Progress(opt, args.batch_size, ranks_per_counted)
     if first_round == 0:
         print0(ctx, f"update    0 | eval loss {timed(progress, evaluate, model, eval_set):.4f}")
 

@@ -1,0 +1,46 @@
+"""examples/train_gpt.py counts samples as the ranks computed them, flat and on a mesh.
+
+acco's ``RoundStats.global_micro_batches`` counts a replica group's micro-batches once (its
+ranks reduce one mean gradient). Under ``--inner fsdp`` each of a group's S ranks computed
+micro-batches of its own, so the example multiplies by S; under ``--inner tp`` the S ranks
+share theirs, so only R ranks draw data (the header says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from types import SimpleNamespace
+
+import pytest
+
+from acco import RoundKind
+from examples.train_gpt import Progress, data_parallel_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def args(mesh: tuple[int, int] | None, inner: str = "fsdp") -> argparse.Namespace:
+    return argparse.Namespace(mesh=mesh, inner=inner)
+
+
+@pytest.mark.parametrize("mesh, inner, expected", [
+    (None, "fsdp", (4, 1)),
+    ((2, 2), "fsdp", (4, 2)),
+    ((2, 2), "tp", (2, 1)),
+    ((1, 4), "tp", (1, 1)),
+])
+def test_who_draws_data_and_how_many_micro_batches_one_counted_one_is(mesh, inner, expected) -> None:
+    assert data_parallel_ranks(args(mesh, inner), world_size=4) == expected
+
+
+def test_a_2x2_fsdp_mesh_logs_every_ranks_micro_batches() -> None:
+    """4 ranks computing 2 micro-batches a round: acco's stats count 4 (2 per replica group),
+    the log says 8 and samples/s counts 8 x the sequences per micro-batch."""
+    rounds = [SimpleNamespace(index=i, global_micro_batches=4, local_micro_batches=2, kind=RoundKind.COMMIT,
+                              hidden_share=1.0, grad_norm=1.0) for i in range(3)]
+    opt = SimpleNamespace(round_stats=collections.deque(rounds))
+    _, per_counted = data_parallel_ranks(args((2, 2), "fsdp"), world_size=4)
+    progress = Progress(opt, sequences_per_micro_batch=5, ranks_per_counted=per_counted)
+    assert "micro-batches/round rank 0 2.0 all 8.0" in progress.line(3, 10, 1e-3)
+    assert progress.samples == 3 * 8 * 5
