@@ -408,6 +408,9 @@ def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
         out[stem] = table(data) + f"\n![{stem}](results/{plot(data, figures / f'{stem}.png')})"
         out["calibration" + suffix] = calibration_table(data)
         out["lanes" + suffix] = lane_table(data)
+        ab = [baseline_table(run) for run in data["runs"] if "baseline" in run]
+        if ab:  # an A/B run (--baseline): both checkouts' medians and their ratio
+            out["ab" + suffix] = "\n\n".join(ab)
     return out
 
 
