@@ -1,6 +1,6 @@
 """Puts the benchmarks' tables and plots (each module's ``blocks()``, ``targets()`` and
 ``runtimes()``, from its ``results/NAME.json`` and ``results/NAME-*.json``) between
-``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in the READMEs.
+``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->`` in the READMEs and docs/.
 
     python benchmarks/report.py                                   # results/ -> the READMEs
     python benchmarks/report.py --results benchmarks/results/scratch --print   # a smoke run's, printed
@@ -19,6 +19,7 @@ from typing import Any
 
 import common
 import convergence
+import example_runs
 import gpu_overlap
 import memory
 import profile_lanes
@@ -29,10 +30,10 @@ from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 
 __all__ = ["main"]
 
-READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md")
+READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md", *sorted((common.REPO_ROOT / "docs").glob("*.md")))
 # In the order of the runtimes table; results files are named after each one's Benchmark.
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
-                                      two_nodes)
+                                      two_nodes, example_runs)
 
 
 def generate(results_dir: Path) -> dict[str, str]:
@@ -76,12 +77,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         pattern = re.compile(rf"(<!-- BEGIN GENERATED: {marker} -->\n).*?(<!-- END GENERATED: {marker} -->)", re.S)
         placed = [path for path, text in texts.items() if pattern.search(text)]
         for path in placed:
-            texts[path] = pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), texts[path])
+            here = _relative_to(path, body)
+            texts[path] = pattern.sub(lambda m: m.group(1) + here.rstrip() + "\n" + m.group(2), texts[path])
         if not placed:
             print(f"report: no block {name!r} in the READMEs; skipped", file=sys.stderr)
     for path, text in texts.items():
         path.write_text(text)
     print(f"report: updated {', '.join(str(p) for p in READMES)} ({', '.join(blocks)})")
+
+
+def _relative_to(path: Path, body: str) -> str:
+    """A block written for the top README (links from the repository's root), as a page in
+    docs/ links to the same files."""
+    return body.replace("](benchmarks/", "](../benchmarks/") if path.parent.name == "docs" else body
 
 
 if __name__ == "__main__":

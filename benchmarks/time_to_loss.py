@@ -590,13 +590,27 @@ def mixed_overview(results: dict[str, Any]) -> str:
             + common.md_table(header, rows))
 
 
+def which_loop(data: dict[str, Any]) -> str:
+    """docs/loops.md's table: per network speed, each method's time to ZeRO-1's final loss."""
+    per_rate = summary_of(data)
+    names = list(dict.fromkeys(n for r in per_rate.values() for n in r["methods"]))
+    rows = [[f"{rate} ({common.rate_text(r['rate'])})",
+             *(fraction_cell(r["methods"][n]) if n in r["methods"] else "-" for n in names)]
+            for rate, r in per_rate.items()]
+    seeds = ", ".join(str(seed) for seed in data["config"]["seeds"])
+    return (f"Time to DDP + ZeRO-1's final held-out loss, as a share of the same {data['config']['budget_s']:g} s "
+            f"budget ({data['config']['ranks']} ranks, seeds {seeds}: median, min-max in brackets; \"not reached\": "
+            "not within the budget):\n\n" + common.md_table(["network", *(method_label(data, n) for n in names)], rows))
+
+
 def summary_of(data: dict[str, Any]) -> dict[str, Any]:
     return data.get("summary") or summary(data)
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:
     data = results["time_to_loss"]
-    out = {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})"}
+    out = {"time_to_loss": section(data) + f"\n\n![time to loss](results/{plot(data, figures / 'time_to_loss.png')})",
+           "which-loop": which_loop(data)}
     mixed = mixed_runs(results)
     if mixed:
         out["time_to_loss-mixed"] = "\n\n".join(
