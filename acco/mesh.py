@@ -20,7 +20,6 @@ parameters none of this exists and acco is the flat ZeRO-1 of the rest of the pa
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -199,10 +198,6 @@ class InnerMesh:
             )
         every = comm.all_gather_ints(self.replica_ranks)
         self.ranks = sorted({r for ranks in every for r in ranks})
-
-    def lane_group(self, comm: Collectives, timeout: datetime.timedelta) -> Collectives:
-        """The comm lane's private group over every rank of the mesh (its global sums)."""
-        return comm.new_group(self.ranks, timeout)
 
     def norm_weights(self, params: Sequence[Tensor]) -> list[float] | None:
         """Each parameter's weight in the squared gradient norm; None when all are 1."""
