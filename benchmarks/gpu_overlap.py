@@ -1,6 +1,6 @@
 """acco on one GPU beside the peers a GPU user would pick (DDP + fused AdamW, DDP + ZeRO-1,
 ZeRO-1 overlapped with DDP, FSDP2), same model, data and precision: does step() return at
-once, does the round overlap, what does it hold in memory against the README's formula?
+once, does the round overlap, what does it hold in memory against docs/memory.md's formula?
 
     python benchmarks/gpu_overlap.py                 # small and large model, world size 1 and 2
     python benchmarks/gpu_overlap.py --models small --world-sizes 1 --rounds 10
@@ -80,7 +80,7 @@ def preset(args: argparse.Namespace, model: str) -> Preset:
 
 
 def formula_bytes(mode: str, parameters: int, world_size: int, param_bytes: int, reduce_bytes: int) -> dict[str, int]:
-    """The README's "Memory per rank" for acco over AdamW: each buffer's bytes, the live
+    """docs/memory.md's formula for acco over AdamW: each buffer's bytes, the live
     parameters left out (one flat group; the shard padded to a whole element per rank)."""
     shard, master = math.ceil(parameters / world_size), 4
     every_fp32 = param_bytes == reduce_bytes == master
@@ -276,7 +276,7 @@ def table(runs: list[dict[str, Any]]) -> str:
                     "-" if formula is None else f"{mib(formula)} / {mib(sum(r['acco_accounting_bytes'].values()))}"])
     return common.md_table(["model", "world size", "method", "samples/s", "vs no optimizer", "vs DDP + ZeRO-1",
                             "step() ms, median", "step() ms with the round in flight, median / max",
-                            "hidden share (GPU time)", "max allocated MiB", "README formula: peak MiB",
+                            "hidden share (GPU time)", "max allocated MiB", "formula (docs/memory.md): peak MiB",
                             "measured / formula", "acco's buffers + state MiB: formula / acco's accounting"], rows)
 
 
