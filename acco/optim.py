@@ -40,12 +40,12 @@ from acco.options import (
     Mode,
     NonFinite,
     Options,
+    RoundKind,
     base_hyperparams,
     build_base_optimizer,
     check_estimate_dtypes,
     probe_defaults,
     resolve_groups,
-    RoundKind,
 )
 from acco.rounds import CommLaneError, Round, RoundSchedule
 from acco.runner import RoundRunner
@@ -592,12 +592,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._check_usable("state_dict")
         if self._consolidated is not None:
             return self._consolidated
-        own = self._own_state_dict()
         if not self._mesh:
-            return own
+            return self._own_state_dict()
         # DTensor parameters: the portable form, which DCP reshards to any mesh. Collective.
-        saved = self._comm.all_gather_objects(own)
-        self._pending_to_rank_zero(saved)
+        self._wait_in_flight()  # the lane no longer reads what is moved next
+        self._pending_to_rank_zero()
+        saved = self._comm.all_gather_objects(self._own_state_dict())
         return to_portable(saved, [g["params"] for g in self.param_groups], self.replica_size)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -660,19 +660,15 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._schedule.wait(round_)
         return round_
 
-    def _pending_to_rank_zero(self, saved: list[dict[str, Any]] | None = None) -> None:
+    def _pending_to_rank_zero(self) -> None:
         """Hold the pending gradients and weights as a load of the portable state would:
         their sums on rank 0, nothing elsewhere, so a run that saved and a run that loaded
-        continue bit for bit alike. From every rank's own state dict (``saved``), or else
-        by a reduce of the accumulators (collective)."""
-        for index, group in enumerate(self._groups):
-            if saved is not None and self.rank == 0:
-                group.grad_accumulator.copy_(torch.stack([s["acco"]["groups"][index]["grad_accumulator"] for s in saved]).sum(0))
-            elif saved is None:
-                self._comm.reduce_sum_(group.grad_accumulator, dst=0)
+        continue bit for bit alike. Collective (a reduce of the accumulators)."""
+        for group in self._groups:
+            self._comm.reduce_sum_(group.grad_accumulator, dst=0)
             if self.rank != 0:
                 group.grad_accumulator.zero_()
-        rounds = [s["acco"]["round"] for s in saved] if saved is not None else self._comm.all_gather_objects(self._schedule.state_dict())
+        rounds = self._comm.all_gather_objects(self._schedule.state_dict())
         self._schedule.load_state_dict(rank_round(round_sums(rounds), self.rank))
 
     def check_state_dict(self, state_dict: Any) -> None:

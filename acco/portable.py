@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from acco.sharding import ShardedGroup
-from acco.sharding import Layout, ShardPlan, plan_layout
+from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.state import STATE_VERSION
 

@@ -48,7 +48,7 @@ def saved_then_uninterrupted(mode: str, path: str) -> dict:
     dist.barrier()
     train_rounds(model, opt, BEFORE, AFTER)
     opt.finish()
-    return {"params": params_of(model), "in_flight": None}
+    return {"params": params_of(model)}
 
 
 def resumed(mode: str, path: str) -> dict:

@@ -14,9 +14,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from acco.sharding import ShardedGroup
+from acco.sharding import ShardedGroup, plan_flat
 from acco.streams import CpuHooks
-from acco.sharding import plan_flat
 from acco.options import Mode, Options
 from acco.options import RoundKind
 from acco.rounds import CommLaneError, RoundSchedule

@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acco.sharding import ShardedGroup
 from acco.folding import fold_grads
-from acco.sharding import Layout, ShardPlan, plan_flat, plan_layout, plan_tensor
+from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_flat, plan_layout, plan_tensor
 
 pytestmark = pytest.mark.timeout(60)
 LAYOUTS = [Layout.FLAT, Layout.TENSOR]
