@@ -44,6 +44,10 @@ def inverse_scale(optimizer: Any, mode: Mode, holds_grad_views: bool) -> Tensor 
     found_inf = getattr(optimizer, "found_inf", None)
     if found_inf is None:
         return None
+    if mode is Mode.LOCAL:
+        raise ValueError(
+            "torch.amp.GradScaler is not supported in mode='local' yet: use bf16 autocast (no scaler needed)"
+        )
     if mode is Mode.ACCO:
         raise ValueError(
             "torch.amp.GradScaler is not supported in mode='acco': a commit round sums the estimate "

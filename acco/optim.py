@@ -29,9 +29,10 @@ from torch.profiler import record_function
 from acco.amp import inverse_scale
 from acco.startup import build_groups, start_identical
 from acco.collectives import Collectives
-from acco.folding import GradFolder, checked_weight
+from acco.folding import GradFolder, WeightSum, checked_weight
+from acco.local import InnerSteps, LocalClock
 from acco.mesh import InnerMesh
-from acco.portable import from_portable, is_portable, rank_round, round_sums, to_portable
+from acco.portable import from_portable, full, is_portable, per_param, rank_round, round_sums, to_portable
 from acco.streams import ThreadLane, make_lane
 from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
 from acco.sharding import Layout, ShardPlan
@@ -134,7 +135,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         process_group: the ranks that share the model (default: the default group when
             ``torch.distributed`` is initialised, otherwise a single process).
         mode: ``"acco"`` (estimate + commit rounds, overlapped), ``"dpu"`` (one-round-stale
-            update, overlapped) or ``"sync"`` (ZeRO-1, blocking).
+            update, overlapped), ``"sync"`` (ZeRO-1, blocking) or ``"local"`` (each rank of
+            ``process_group`` takes inner steps alone; an outer round every ``sync_every``
+            steps, overlapped: :mod:`acco.local`).
         layout: ``"flat"`` (equal chunks of a flat buffer: element-wise optimizers only),
             ``"tensor"`` (whole tensors per rank) or None (``flat`` where it is exact).
         max_grad_norm: clip the averaged gradient to this global 2-norm before each update
@@ -151,6 +154,14 @@ class AccoOptimizer(torch.optim.Optimizer):
             ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` or None (left alone);
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
+        sync_every: ``local`` only: inner steps between outer rounds (default 30).
+        sync_delay: ``local`` only: inner steps an outer round overlaps before it lands, in
+            ``[0, sync_every]``; 0 is blocking DiLoCo (default ``max(1, sync_every // 4)``).
+        outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
+            (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
+            rank's 1/R shard of the snapshot with the mean pseudo-gradient.
+        overlap: ``local`` only: the inner steps taken while an outer round is in flight are
+            kept on top of the new global values (``"keep"``, default) or dropped (``"discard"``).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -194,6 +205,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         estimate_dtype: torch.dtype | None = None,
         buffers: BufferPolicy | str | None = BufferPolicy.BROADCAST,
         module: nn.Module | None = None,
+        sync_every: int | None = None,
+        sync_delay: int | None = None,
+        outer_optimizer: Any = None,
+        overlap: str | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -201,8 +216,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         options = Options.check(
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
+            sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
         )  # fmt: skip
-        groups = resolve_groups(params, optimizer_class, options.layout)
+        local = options.local
+        groups = resolve_groups(params, optimizer_class, options.layout, local and local.outer_class)
         base_defaults = probe_defaults(optimizer_class, defaults)
         check_estimate_dtypes(estimate_dtype, options, groups)
         self.options, self.optimizer_class = options, optimizer_class
@@ -227,7 +244,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             for group in self.param_groups:
                 for param in group["params"]:
                     self.state[param] = {"sharded_by": "acco"}
-        self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
+        if local is None:
+            self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
+        else:  # the sharded optimizer is the outer one, on the snapshot's shard
+            self._base = [local.outer_optimizer([{"params": s.master_views}]) if s.master_views else None for s in self._groups]
+        # mode="local": the inner optimizers on the live parameters, and when outer rounds run.
+        self._inner = None if local is None else InnerSteps(self.param_groups, self._groups, optimizer_class, defaults)
+        self._clock = None if local is None else LocalClock(local)
         self._buffer_sync = buffer_sync_for(module, options.buffer_policy, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
         names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
@@ -345,6 +368,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         those ranks must run the same number of micro-batches.
         """
         done = self._schedule.in_flight is None or self._schedule.in_flight.future.done()
+        if self._clock is not None:  # mode="local": step() waits only when the round lands
+            self._clock.inner_steps += 1
+            done = done or not self._clock.lands_now()
+            self._clock.inner_steps -= 1
         if self._replica_comm is None:
             return done
         waiting = torch.tensor([0.0 if done else 1.0], device=self._groups[0].device)
@@ -375,6 +402,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._schedule.launched == 0 and self._schedule.current.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
         inv_scale = inverse_scale(self, self.mode, self._folder.grads_in_views)  # scaler.step(opt)
+        if self._clock is not None:
+            with record_function("acco.step"):
+                return self._local_step()
         with record_function("acco.step"):
             committed = self._land_in_flight()
             self._launch(inv_scale)
@@ -382,12 +412,86 @@ class AccoOptimizer(torch.optim.Optimizer):
                 committed = self._land_in_flight()
         return committed
 
+    def _local_step(self) -> bool:
+        """``mode="local"``: this replica's inner update, then the outer round in flight lands
+        (``sync_delay`` steps after its launch) and the next one starts (every ``sync_every``)."""
+        clock, weights = self._clock, self._schedule.take_weights()
+        try:
+            with self._folder.views_released():
+                updated, norm = self._inner.step(weights, self.max_grad_norm, self.nonfinite, clock.inner_steps)
+        except BaseException:
+            self._schedule.pending, self._schedule.current = weights, weights.copy()
+            raise
+        self.num_updates += int(updated)
+        self.skipped_updates += int(not updated and norm != 0.0)
+        self.committed_weight += weights.total() if updated else 0.0
+        clock.inner_steps += 1
+        clock.unsynced = True
+        if clock.lands_now():
+            self._land_outer()
+        if clock.launches_now():
+            self._launch_outer()
+            if clock.options.sync_delay == 0:
+                self._land_outer()
+        return updated
+
+    def _launch_outer(self) -> None:
+        """Hand the live parameters to an outer round on the comm lane (``mode="local"``)."""
+        clock = self._clock
+        handed = [group.hand_over_params() for group in self._groups]
+        if clock.keeps_progress:
+            if clock.handed_over is None:
+                clock.handed_over = [torch.empty_like(h) for h in handed]
+            torch._foreach_copy_(clock.handed_over, handed)
+        snapshot = None if self._buffer_sync is None else self._buffer_sync.snapshot()
+        submit = lambda round_: self._lane.submit(lambda: self._runner.run(round_))  # noqa: E731
+        # Each replica counts once: the round averages the replicas' parameters.
+        self._schedule.launch(handed, [{} for _ in self._groups], snapshot, submit, weight=WeightSum(1.0, None, 1))
+        clock.launched_at = clock.inner_steps
+
+    def _land_outer(self, discard: bool = False) -> None:
+        """Wait for the outer round in flight and give the replica the new global values, the
+        progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
+        clock, round_ = self._clock, self._schedule.take_in_flight()
+        stats = self._schedule.wait(round_)
+        keep = clock.keeps_progress and not discard
+        with record_function("acco.load_params"):
+            for number, group in enumerate(self._groups):
+                if keep:
+                    group.add_params_from_buffer(clock.handed_over[number])
+                else:
+                    group.load_params_from_buffer()
+            if round_.buffer_snapshot is not None:
+                self._buffer_sync.land(round_.buffer_snapshot)
+        clock.unsynced = keep and clock.inner_steps > clock.launched_at
+        clock.launched_at = None
+        clock.outer_rounds += 1
+        clock.skipped_outer_rounds += int(stats.skipped)
+
+    @property
+    def outer_rounds(self) -> int:
+        """``mode="local"``: outer rounds landed so far (0 in other modes)."""
+        return 0 if self._clock is None else self._clock.outer_rounds
+
+    @property
+    def skipped_outer_rounds(self) -> int:
+        """``mode="local"``: landed outer rounds that changed nothing (NaN/inf in some replica's
+        parameters with ``nonfinite="skip"``)."""
+        return 0 if self._clock is None else self._clock.skipped_outer_rounds
+
+    @property
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """``mode="local"``: each param group's inner optimizer, on the live parameters."""
+        return [] if self._inner is None else list(self._inner.optimizers)
+
     def finish(self) -> bool:
         """Drain the comm lane and leave the model at the last committed parameters.
 
         A commit round in flight is landed; an estimate round in flight is dropped (the model
         holds the committed parameters it started from), as are gradients accumulated since
-        the last hand-over. Idempotent; the optimizer cannot be used afterwards.
+        the last hand-over. ``mode="local"``: the outer round in flight lands, and one more
+        outer round (blocking) carries the inner steps since, so every replica ends with the
+        same, global parameters. Idempotent; the optimizer cannot be used afterwards.
 
         Returns:
             True when landing the last round committed an update.
@@ -402,7 +506,15 @@ class AccoOptimizer(torch.optim.Optimizer):
         landed = False
         try:
             round_ = self._schedule.in_flight
-            if round_ is not None and round_.kind is RoundKind.ESTIMATE:
+            if self._clock is not None:  # the round in flight lands, then one over what is left
+                committed = round_ is not None
+                if round_ is not None:
+                    self._land_outer()
+                if self._clock.unsynced:
+                    self._launch_outer()
+                    self._land_outer(discard=True)
+                    committed = True
+            elif round_ is not None and round_.kind is RoundKind.ESTIMATE:
                 self._schedule.take_in_flight()
                 self._schedule.wait(round_)
                 committed = False
@@ -483,8 +595,15 @@ class AccoOptimizer(torch.optim.Optimizer):
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Bytes of each buffer acco holds now, per param group (see docs/design.md,
         "Buffers and memory"): ``grad_accumulator``, ``grad_handover``, ``gathered``,
-        ``master``, ``master_grad``, ``estimate_copy``; a view of another buffer counts 0."""
-        return [group.buffer_bytes() for group in self._groups]
+        ``master``, ``master_grad``, ``estimate_copy``; a view of another buffer counts 0.
+        ``mode="local"`` adds ``handed_over`` (the parameters the round in flight was handed,
+        with ``overlap="keep"``); ``master`` is the snapshot's shard there."""
+        sizes = [group.buffer_bytes() for group in self._groups]
+        if self._clock is not None:
+            for number, entry in enumerate(sizes):
+                handed = self._clock.handed_over
+                entry["handed_over"] = 0 if handed is None else handed[number].nbytes
+        return sizes
 
     @property
     def round_stats(self) -> collections.deque[RoundStats]:
@@ -648,9 +767,27 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
             world_size=self.world_size, round_state=self._schedule.state_dict(),
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
-                    "committed_weight": self.committed_weight},
+                    "committed_weight": self.committed_weight, "local": self._local_state()},
             buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
         )  # fmt: skip
+
+    def _local_state(self) -> dict[str, Any] | None:
+        """``mode="local"``: the clock, this replica's inner optimizers' state and the
+        parameters the round in flight was handed (per parameter, so any layout loads them)."""
+        if self._clock is None:
+            return None
+        saved = self._clock.state_dict()
+        if saved["handed_over"] is not None:
+            saved["handed_over"] = [per_param(g.plan, h) for g, h in zip(self._groups, saved["handed_over"])]
+        return {**saved, "inner": self._inner.state_dicts()}
+
+    def _load_local_state(self, saved: dict[str, Any]) -> None:
+        handed = saved["handed_over"]
+        if handed is not None:
+            handed = [full(g.plan, values, g.param_dtype).to(g.device) for g, values in zip(self._groups, handed)]
+            self._clock.handed_over = [torch.empty_like(h) for h in handed]
+        self._clock.load_state_dict({**saved, "handed_over": handed})
+        self._inner.load_state_dicts(saved["inner"])
 
     def _wait_in_flight(self) -> Round | None:
         """The round in flight, once the comm lane has finished it (it still lands at the
@@ -710,6 +847,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         snapshot = restore_groups(state_dict, self.param_groups, self._groups, self._base, self._buffer_sync, run_on_lane)
         self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
         self.committed_weight = float(saved["committed_weight"])
+        if self._clock is not None:
+            self._load_local_state(saved["local"])
         self._schedule.load_state_dict(saved["round"])
         if in_flight_kind is not None:  # the saved round in flight again: only its all-gather runs
             submit = lambda round_: self._lane.submit(lambda: self._runner.replay(round_))  # noqa: E731

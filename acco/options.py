@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import datetime
 import enum
+import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +23,7 @@ from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.quantize import check_estimate_dtype
 
-__all__ = ["DEFAULT_TIMEOUT", "Mode", "NonFinite", "Options", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["DEFAULT_OUTER", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_sync_delay", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -34,6 +36,7 @@ class Mode(str, enum.Enum):
     SYNC = "sync"  # ZeRO-1: reduce-scatter -> update -> all-gather inside step(), no overlap
     DPU = "dpu"  # every round commits, with the previous round's gradients; overlapped
     ACCO = "acco"  # estimate and commit rounds alternate; overlapped, delay compensated
+    LOCAL = "local"  # inner steps on each replica, an outer round every sync_every steps (acco.local)
 
 
 class NonFinite(str, enum.Enum):
@@ -49,6 +52,15 @@ class RoundKind(str, enum.Enum):
 
     ESTIMATE = "estimate"
     COMMIT = "commit"
+    OUTER = "outer"  # mode="local": the mean pseudo-gradient -> the sharded outer update -> the new global values
+
+
+class Overlap(str, enum.Enum):
+    """mode="local": what the inner steps taken while an outer round is in flight become
+    when it lands (docs/design.md, "Local steps")."""
+
+    KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
+    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -74,6 +86,60 @@ _WHOLE_TENSOR: tuple[type, ...] = tuple(
 _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 
 
+# mode="local": DiLoCo's outer optimizer (Charles et al., arXiv 2503.09799).
+DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+DEFAULT_SYNC_EVERY = 30
+
+
+def default_sync_delay(sync_every: int) -> int:
+    """The inner steps an outer round overlaps by default: a quarter of ``sync_every`` (at
+    least one), the delay that measured best (docs/loops.md, "Slow links: local steps")."""
+    return max(1, sync_every // 4)
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """The checked arguments of ``mode="local"`` (:mod:`acco.local`)."""
+
+    sync_every: int
+    sync_delay: int
+    overlap: Overlap
+    outer_optimizer: Callable[..., torch.optim.Optimizer]
+    outer_class: type
+
+    @classmethod
+    def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any) -> LocalOptions | None:
+        """The options of ``mode="local"`` (None in another mode, where passing any of them is
+        a ``ValueError``); ``ValueError`` / ``TypeError`` naming a bad value."""
+        given = {name: value for name, value in (("sync_every", sync_every), ("sync_delay", sync_delay),
+                 ("overlap", overlap), ("outer_optimizer", outer_optimizer)) if value is not None}  # fmt: skip
+        if mode is not Mode.LOCAL:
+            if given:
+                raise ValueError(f"{', '.join(given)} need mode='local' (this optimizer is mode={mode.value!r})")
+            return None
+        every = DEFAULT_SYNC_EVERY if sync_every is None else sync_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Invalid sync_every: {sync_every!r} (an int >= 1: inner steps per outer round)")
+        delay = default_sync_delay(every) if sync_delay is None else sync_delay
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every:
+            raise ValueError(
+                f"Invalid sync_delay: {sync_delay!r} (an int in [0, sync_every={every}]: the inner steps an outer "
+                "round overlaps; 0 blocks)"
+            )
+        outer = DEFAULT_OUTER if outer_optimizer is None else outer_optimizer
+        if not callable(outer):
+            raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
+        try:
+            probe = outer([torch.zeros(2, requires_grad=True)])
+        except Exception as error:
+            raise ValueError(f"Invalid outer_optimizer: {outer!r} could not be built on a tensor: {error}") from error
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise TypeError(f"Invalid outer_optimizer: {outer!r} built a {type(probe).__name__}, not a torch.optim.Optimizer")
+        check_optimizer_class(type(probe))
+        return cls(every, delay, parse_enum(Overlap, Overlap.KEEP if overlap is None else overlap, "overlap"), outer,
+                   type(probe))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Options:
     """The checked keyword arguments of :class:`acco.AccoOptimizer` (see its docstring)."""
@@ -87,6 +153,7 @@ class Options:
     timeout: datetime.timedelta
     estimate_dtype: torch.dtype | None
     buffer_policy: BufferPolicy | None = BufferPolicy.BROADCAST
+    local: LocalOptions | None = None
 
     @classmethod
     def check(
@@ -102,6 +169,10 @@ class Options:
         estimate_dtype: Any,
         buffers: Any = BufferPolicy.BROADCAST,
         module: Any = None,
+        sync_every: Any = None,
+        sync_delay: Any = None,
+        overlap: Any = None,
+        outer_optimizer: Any = None,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
         is checked, not kept)."""
@@ -119,6 +190,14 @@ class Options:
             raise ValueError(
                 f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
             )
+        local = LocalOptions.check(checked_mode, sync_every, sync_delay, overlap, outer_optimizer)
+        if local is not None:
+            for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+                if dtype is not None:
+                    raise ValueError(
+                        f"{name}={dtype} with mode='local': the inner optimizer steps the model's own parameters "
+                        "and gradients; cast the model (or use autocast) instead"
+                    )
         return cls(
             mode=checked_mode,
             nonfinite=parse_enum(NonFinite, nonfinite, "nonfinite"),
@@ -129,6 +208,7 @@ class Options:
             timeout=timeout,
             estimate_dtype=estimate_dtype,
             buffer_policy=None if buffers is None else parse_enum(BufferPolicy, buffers, "buffers"),
+            local=local,
         )
 
     @property
@@ -189,20 +269,22 @@ def build_base_optimizer(
 
 
 def resolve_groups(
-    params: Any, optimizer_class: type[torch.optim.Optimizer], layout: Layout | None
+    params: Any, optimizer_class: type[torch.optim.Optimizer], layout: Layout | None, sharded_class: type | None = None
 ) -> list[dict[str, Any]]:
     """Param-group dicts holding each trainable parameter once, each with its base
     optimizer class and layout resolved.
 
     A group may name its own ``optimizer_class`` (e.g. Muon for hidden matrices, AdamW for
-    the rest) and ``layout``; it then starts from that class's defaults.
+    the rest) and ``layout``; it then starts from that class's defaults. ``sharded_class``:
+    the optimizer whose update runs on the shards and so decides the layout (``mode="local"``:
+    the outer optimizer; the group's own class otherwise).
     """
     check_optimizer_class(optimizer_class)
     groups = []
     for group in _trainable_groups(params):
         cls = group.get("optimizer_class", optimizer_class)
         check_optimizer_class(cls)
-        chosen = _choose_layout(group.get("layout", layout), cls)
+        chosen = _choose_layout(group.get("layout", layout), sharded_class or cls)
         if cls is not optimizer_class:
             group = {**probe_defaults(cls, {}), **group}
         groups.append({**group, "optimizer_class": cls, "layout": chosen})

@@ -74,7 +74,7 @@ class RoundSchedule:
 
     def __init__(self, mode: Mode, recorder: StatsRecorder, wait_seconds: float) -> None:
         self.mode = mode
-        self.next_kind = RoundKind.ESTIMATE if mode is Mode.ACCO else RoundKind.COMMIT
+        self.next_kind = {Mode.ACCO: RoundKind.ESTIMATE, Mode.LOCAL: RoundKind.OUTER}.get(mode, RoundKind.COMMIT)
         self.launched = 0
         self.pending = WeightSum()  # since the last commit's hand-over: the next update's
         self.current = WeightSum()  # since the last hand-over: this round's
@@ -96,12 +96,15 @@ class RoundSchedule:
         buffer_snapshot: BufferSnapshot | None,
         submit: Callable[[Round], LaneFuture[RoundStats]],
         inv_scale: Tensor | None = None,
+        weight: WeightSum | None = None,
     ) -> None:
         """Put the next round, with the weights accumulated for it, in flight (``submit``
-        hands it to the comm lane); advances the schedule."""
+        hands it to the comm lane); advances the schedule. ``weight``: what this rank brings
+        instead of its micro-batches' weights (an outer round: each replica counts once)."""
         kind = self.next_kind
-        stats = RoundStats(self.launched, kind, self.current.micro_batches, self.current.host)
-        round_ = Round(kind, grads, self.pending.copy(), self.current.copy(), hyperparams, stats, None, buffer_snapshot,
+        pending, current = (self.pending, self.current) if weight is None else (weight, weight)
+        stats = RoundStats(self.launched, kind, current.micro_batches, current.host)
+        round_ = Round(kind, grads, pending.copy(), current.copy(), hyperparams, stats, None, buffer_snapshot,
                        inv_scale=inv_scale)
         if kind is RoundKind.COMMIT:
             self.pending = WeightSum()
@@ -144,7 +147,13 @@ class RoundSchedule:
         """The kind of round after one of ``kind``."""
         if self.mode is Mode.ACCO:
             return RoundKind.COMMIT if kind is RoundKind.ESTIMATE else RoundKind.ESTIMATE
-        return RoundKind.COMMIT
+        return RoundKind.OUTER if self.mode is Mode.LOCAL else RoundKind.COMMIT
+
+    def take_weights(self) -> WeightSum:
+        """The weights of the micro-batches since the last inner update (``mode="local"``),
+        which start again from zero."""
+        weights, self.pending, self.current = self.current, WeightSum(), WeightSum()
+        return weights
 
     def replay(
         self,

@@ -70,6 +70,10 @@ class RoundRunner:
     def run(self, round_: Round) -> RoundStats:
         """One round: the totals' all-reduce, reduce-scatter, clip, update, all-gather.
 
+        An outer round (``mode="local"``, :mod:`acco.local`) hands over each replica's
+        parameters with weight 1: their mean, subtracted from the snapshot (the master shard),
+        is the pseudo-gradient the outer optimizer steps the snapshot with; no clipping.
+
         Raises:
             CommLaneError: naming the round and the phase it failed in.
         """
@@ -89,6 +93,8 @@ class RoundRunner:
                 record.lane_end(stats)
                 return stats
             light = round_.kind is RoundKind.ESTIMATE and self._options.estimate_dtype is not None
+            # An outer round (mode="local") reduces the replicas' parameters, not gradients.
+            outer = round_.kind is RoundKind.OUTER
             with record.phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
                     if light:
@@ -96,7 +102,9 @@ class RoundRunner:
                     else:
                         self._comm.reduce_scatter_sum(group.grad_shard, grads)
                     torch.div(group.grad_shard, update_weight, out=group.master_grad)
-            if self._options.max_grad_norm is not None:
+                    if outer:  # the mean pseudo-gradient: the snapshot minus the replicas' mean
+                        torch.sub(group.master, group.master_grad, out=group.master_grad)
+            if self._options.max_grad_norm is not None and not outer:  # the inner steps clip their own
                 with record.phase(stats, "grad-norm"):
                     record.grad_norm(stats, self._device_hooks.host_copy(self._clip(self._options.max_grad_norm)))
             with record.phase(stats, "update"):

@@ -471,6 +471,22 @@ class ShardedGroup:
             self._accumulator_views = self._views(self.grad_accumulator)
         return self.grad_handover
 
+    def hand_over_params(self) -> Tensor:
+        """Copy the live parameters into the round's buffer and return it (an outer round of
+        ``mode="local"``: the replicas' parameters are what it reduces)."""
+        buffer = self.round_buffer()
+        with torch.no_grad():
+            torch._foreach_copy_(self._views(buffer), [p.detach() for p in self.locals()])
+        return buffer
+
+    def add_params_from_buffer(self, handed_over: Tensor) -> None:
+        """live parameters += ``gathered`` - ``handed_over`` (the parameters an outer round was
+        handed, flat like the round's buffer): the progress made since stays on top of the new
+        global values. ``handed_over`` is overwritten."""
+        handed_over.sub_(self.gathered)
+        with torch.no_grad():
+            torch._foreach_sub_([p.detach() for p in self.locals()], self._views(handed_over))
+
     def initial_values(self) -> Tensor:
         """The live parameters as one padded flat buffer in the master dtype."""
         values = torch.zeros(self.plan.padded_numel, dtype=self.master_dtype, device=self.device)

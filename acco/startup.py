@@ -37,7 +37,8 @@ def build_groups(
             double_buffered=options.mode is not Mode.SYNC,
             # sync and dpu load each round's result as the committed parameters: with
             # fp32 parameters those hold the master shard (acco's hold estimates).
-            master_in_params=options.mode is not Mode.ACCO,
+            # (mode="local": the master shard is the snapshot, which the live parameters are not.)
+            master_in_params=options.mode in (Mode.SYNC, Mode.DPU),
             inner=inner,
         )
         for g in param_groups
@@ -63,7 +64,9 @@ def start_identical(
     layout or optimizer class differs. Collective."""
     extra = "" if buffer_sync is None else buffer_sync.fingerprint()
     fingerprint = "|".join(
-        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra]
+        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra,
+         str(options.local and (options.local.sync_every, options.local.sync_delay, options.local.overlap.value,
+                                options.local.outer_class.__name__))]
         + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
     )
     if not comm.same_on_all_ranks(fingerprint):
