@@ -454,7 +454,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
         clock, round_ = self._clock, self._schedule.take_in_flight()
         stats = self._schedule.wait(round_)
-        keep = clock.keeps_progress and not discard
+        # (No inner step since the launch: the new global values themselves, bit for bit.)
+        keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         with record_function("acco.load_params"):
             for number, group in enumerate(self._groups):
                 if keep:
@@ -463,7 +464,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                     group.load_params_from_buffer()
             if round_.buffer_snapshot is not None:
                 self._buffer_sync.land(round_.buffer_snapshot)
-        clock.unsynced = keep and clock.inner_steps > clock.launched_at
+        clock.unsynced = keep
         clock.launched_at = None
         clock.outer_rounds += 1
         clock.skipped_outer_rounds += int(stats.skipped)
@@ -772,14 +773,18 @@ class AccoOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _local_state(self) -> dict[str, Any] | None:
-        """``mode="local"``: the clock, this replica's inner optimizers' state and the
-        parameters the round in flight was handed (per parameter, so any layout loads them)."""
+        """``mode="local"``: the clock, this replica's parameters and inner optimizers' state,
+        and the parameters the round in flight was handed (per parameter, so any layout loads
+        them)."""
         if self._clock is None:
             return None
         saved = self._clock.state_dict()
         if saved["handed_over"] is not None:
             saved["handed_over"] = [per_param(g.plan, h) for g, h in zip(self._groups, saved["handed_over"])]
-        return {**saved, "inner": self._inner.state_dicts()}
+        # Each replica's own parameters: they differ between outer rounds, and the model's
+        # checkpoint is often rank 0's only (acco.checkpoint, consolidate_state_dict).
+        live = [[p.detach().clone() for p in group.locals()] for group in self._groups]
+        return {**saved, "inner": self._inner.state_dicts(), "live": live}
 
     def _load_local_state(self, saved: dict[str, Any]) -> None:
         handed = saved["handed_over"]
@@ -788,6 +793,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._clock.handed_over = [torch.empty_like(h) for h in handed]
         self._clock.load_state_dict({**saved, "handed_over": handed})
         self._inner.load_state_dicts(saved["inner"])
+        with torch.no_grad():
+            for group, values in zip(self._groups, saved["live"]):
+                torch._foreach_copy_([p.detach() for p in group.locals()], [v.to(group.device) for v in values])
 
     def _wait_in_flight(self) -> Round | None:
         """The round in flight, once the comm lane has finished it (it still lands at the

@@ -197,3 +197,61 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
     "dpu": dpu_reference,
     "acco": acco_reference,
 }
+
+
+def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
+                    sync_every: int, sync_delay: int, overlap: str = "keep", max_norm: float | None = None,
+                    outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None) -> list[Params]:
+    """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
+
+    ``steps[t][m]``: replica m's micro-batches of inner step t. Replica m starts from ``init``
+    with its own inner optimizer; after its update of step t (1-based count t + 1 = n):
+    - a round launched at step n0 lands when n - n0 >= sync_delay: theta_m = x (+ theta_m -
+      handed_m with overlap "keep" and sync_delay > 0);
+    - when n % sync_every == 0: handed_m = theta_m; x = OuterOpt(x, x - mean_m theta_m) (the
+      outer optimizer on a whole copy of x, with DiLoCo's Nesterov SGD by default); with
+      sync_delay 0 it lands at once.
+    At the end a round in flight lands, then a last one (landing without "keep") over any
+    inner step since, so every replica ends at x.
+    """
+    replicas = [Reference(init, optimizer, max_norm) for _ in steps[0]]
+    x = [p.detach().clone().requires_grad_(True) for p in init.values()]
+    names = list(init)
+    outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)))(x)
+    in_flight: tuple[int, Params, list[Params]] | None = None  # (launched at, new x, handed)
+    unsynced = False
+
+    def launch(n: int) -> tuple[int, Params, list[Params]]:
+        handed = [ref.params() for ref in replicas]
+        with torch.no_grad():
+            for i, name in enumerate(names):
+                x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
+        outer_opt.step()
+        return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, handed
+
+    def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:
+        n0, new_x, handed = flight
+        for ref, own in zip(replicas, handed):
+            now = ref.params()
+            ref.load({k: new_x[k] + (now[k] - own[k]) if keep else new_x[k] for k in new_x})
+        return keep and n > n0
+
+    keeps = overlap == "keep" and sync_delay > 0
+    n = 0
+    for step_data in steps:
+        for ref, data in zip(replicas, step_data):
+            grad, weight = ref.weighted_grad_sum(ref.params(), data)
+            ref.apply(_scale(grad, weight))
+        n += 1
+        unsynced = True
+        if in_flight is not None and n - in_flight[0] >= sync_delay:
+            unsynced, in_flight = land(in_flight, keeps), None
+        if n % sync_every == 0:
+            in_flight = launch(n)
+            if sync_delay == 0:
+                unsynced, in_flight = land(in_flight, keeps), None
+    if in_flight is not None:
+        unsynced = land(in_flight, keeps)
+    if unsynced:
+        land(launch(n), False)
+    return [ref.params() for ref in replicas]

@@ -1,0 +1,286 @@
+"""mode="local" on real gloo ranks: inner steps on each replica, outer rounds across replicas.
+
+References (tests/reference.py, ``local_reference``, written from docs/design.md "Local
+steps"): each replica its own model and inner optimizer on its own data, the outer optimizer
+on a whole one-process copy of the snapshot. ``sync_delay=0`` is blocking DiLoCo.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
+from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, micro_batch, params_of
+
+pytestmark = pytest.mark.timeout(120)
+
+H = 3
+MAX_NORM = 0.5
+
+
+def step_data(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """Replica ``rank``'s micro-batches of inner step ``step``: 1 to 3 of them, 1 to 6 samples
+    each, the weight being the sample count (unequal across replicas and steps)."""
+    out = []
+    for index in range(1 + (step + rank) % 3):
+        size = 1 + (7 * step + 3 * rank + index) % 6
+        x, y = micro_batch(step, rank, index, size=size)
+        out.append((x, y, float(size)))
+    return out
+
+
+def build(model: torch.nn.Module, optimizer: str, **options) -> AccoOptimizer:
+    cls, hp = OPTIMIZERS[optimizer]
+    return AccoOptimizer(model, cls, mode="local", timeout=TIMEOUT, max_grad_norm=MAX_NORM, **options, **hp)
+
+
+def inner_step(opt: AccoOptimizer, model: torch.nn.Module, step: int, rank: int, weighted: bool) -> bool:
+    for x, y, w in step_data(step, rank):
+        if weighted:
+            with opt.micro_batch(weight=w):
+                loss_fn(model, x, y).backward()
+        else:
+            loss_fn(model, x, y).backward()
+            opt.accumulate(w)
+    return opt.step()
+
+
+def run_rank(steps: int, optimizer: str, layout: str, weighted: bool, options: dict) -> dict:
+    """One replica's loop; every rank starts from different parameters (rank 0's are broadcast).
+    Records the parameters each time an outer round lands."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, optimizer, layout=layout, **options)
+    landed, updates = [], []
+    for t in range(steps):
+        before = opt.outer_rounds
+        updates.append(inner_step(opt, model, t, rank, weighted))
+        if opt.outer_rounds != before:
+            landed.append(params_of(model))
+    opt.finish()
+    return {"params": params_of(model), "landed": landed, "updates": updates, "num_updates": opt.num_updates,
+            "outer_rounds": opt.outer_rounds, "kinds": [s.kind.value for s in opt.round_stats],
+            "global_micro_batches": [s.global_micro_batches for s in opt.round_stats]}
+
+
+def expected(world_size: int, steps: int, optimizer: str, **options) -> list[dict[str, torch.Tensor]]:
+    init = params_of(make_model(seed=0))
+    data = [[step_data(t, r) for r in range(world_size)] for t in range(steps)]
+    return local_reference(init, optimizer, data, max_norm=MAX_NORM, **options)
+
+
+@pytest.mark.parametrize("world_size,layout,optimizer", [(2, "flat", "adamw"), (3, "tensor", "sgd"), (3, "flat", "adamw")])
+def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
+    """sync_delay=0 is DiLoCo: each replica its own inner optimizer on its own (weighted, clipped)
+    gradients, Nesterov SGD (lr 0.7, momentum 0.9) on the mean pseudo-gradient every 3 steps,
+    and every replica holds the new global values after every outer round; a last round at
+    finish() carries the inner steps since (8 steps: rounds after 3, 6 and at the end)."""
+    steps = 8
+    results = ranks(world_size).run(run_rank, steps, optimizer, layout, True, {"sync_every": H, "sync_delay": 0})
+    reference = expected(world_size, steps, optimizer, sync_every=H, sync_delay=0)
+    assert_identical_across_ranks(results)
+    for result in results:
+        assert len(result["landed"]) == 2 and result["outer_rounds"] == 3
+        assert result["updates"] == [True] * steps and result["num_updates"] == steps
+        assert result["kinds"] == ["outer"] * 3 and result["global_micro_batches"] == [world_size] * 3
+    for n in range(2):  # identical after every landed round
+        assert_identical_across_ranks([{"params": r["landed"][n]} for r in results])
+    assert_params_close(results[0]["params"], reference[0])
+
+
+@pytest.mark.parametrize("overlap,delay", [("keep", 1), ("keep", 3), ("discard", 2)])
+def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
+    """With sync_delay > 0 the round lands `delay` inner steps after its launch: "keep" adds what
+    each replica learnt meanwhile to the new global values, "discard" drops it; both equal the
+    recurrence of docs/design.md on every rank, and every replica ends identical."""
+    steps = 10
+    results = ranks(2).run(run_rank, steps, "adamw", "flat", False, {"sync_every": H, "sync_delay": delay, "overlap": overlap})
+    reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
+    assert_identical_across_ranks(results)
+    assert_params_close(results[0]["params"], reference[0])
+    if overlap == "discard":  # every replica takes the new global values
+        for n in range(len(results[0]["landed"])):
+            assert_identical_across_ranks([{"params": r["landed"][n]} for r in results])
+    else:  # the global values are one, the progress since the launch each replica's own
+        assert not torch.equal(results[0]["landed"][0]["0.weight"], results[1]["landed"][0]["0.weight"])
+
+
+def test_overlapped_recurrence_differs_from_blocking() -> None:
+    """The references themselves: the three rules give three different models (the tests above
+    would pass vacuously otherwise)."""
+    a = expected(2, 10, "adamw", sync_every=H, sync_delay=0)[0]
+    b = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="keep")[0]
+    c = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="discard")[0]
+    for one, other in ((a, b), (a, c), (b, c)):
+        assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-3
+
+
+def resume_rank(steps: int, stop: int, delay: int) -> dict:
+    """Train ``steps`` inner steps straight, and again saving after ``stop`` steps (a round in
+    flight) into a new model and optimizer that load the state and continue."""
+    rank = this_rank()
+    options = {"sync_every": H, "sync_delay": delay}
+    straight = make_model(seed=rank)
+    opt = build(straight, "adamw", **options)
+    for t in range(steps):
+        inner_step(opt, straight, t, rank, False)
+    opt.finish()
+
+    first = make_model(seed=rank)
+    opt = build(first, "adamw", **options)
+    for t in range(stop):
+        inner_step(opt, first, t, rank, False)
+    in_flight = opt.in_flight is not None
+    saved, model_state = opt.state_dict(), {k: v.clone() for k, v in first.state_dict().items()}
+    opt.close()
+    resumed = make_model(seed=100 + rank)  # other values, overwritten by the load
+    resumed.load_state_dict(model_state)
+    opt = build(resumed, "adamw", **options)
+    opt.load_state_dict(saved)
+    for t in range(stop, steps):
+        inner_step(opt, resumed, t, rank, False)
+    opt.finish()
+    return {"straight": params_of(straight), "resumed": params_of(resumed), "in_flight": in_flight,
+            "outer_rounds": opt.outer_rounds}
+
+
+@pytest.mark.parametrize("delay,stop", [(2, 4), (0, 5)])
+def test_resume_is_bit_identical(ranks, delay, stop) -> None:
+    """A state saved with an outer round in flight (delay 2, after step 4 of rounds launched at 3)
+    or between rounds (blocking) resumes bit for bit."""
+    results = ranks(2).run(resume_rank, 9, stop, delay)
+    for result in results:
+        assert result["in_flight"] == (delay > 0)
+        assert_params_equal(result["resumed"], result["straight"])
+        assert result["outer_rounds"] == 3  # launched after 3, 6 and 9 inner steps; none left for finish()
+    assert_identical_across_ranks(results, "resumed")
+
+
+def memory_rank(layout: str) -> dict:
+    model = make_model(seed=0, hidden=61)
+    opt = build(model, "adamw", layout=layout, sync_every=2, sync_delay=1)
+    for t in range(3):
+        inner_step(opt, model, t, this_rank(), False)
+    outer = opt.base_optimizers[0]
+    outer_state = sum(v.numel() * v.element_size() for s in outer.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor) and v.dim())
+    inner_state = sum(v.numel() * v.element_size() for s in opt.inner_optimizers[0].state.values()
+                      for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    result = {"bytes": opt.buffer_bytes()[0], "outer_state": outer_state, "inner_state": inner_state,
+              "chunk": opt.shard_plans[0].chunk, "padded": opt.shard_plans[0].padded_numel}
+    opt.finish()
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_snapshot_and_outer_state_are_sharded(ranks, world_size) -> None:
+    """Per rank: the snapshot and the outer momentum are one chunk (1/R of the model, fp32), the
+    inner AdamW state is the whole model (this replica's own), and acco's model-size buffers are
+    the accumulator, the round's buffer and (overlap "keep") the parameters handed over."""
+    results = ranks(world_size).run(memory_rank, "flat")
+    numel = sum(p.numel() for p in make_model(hidden=61).parameters())
+    for result in results:
+        chunk, padded = result["chunk"], result["padded"]
+        assert chunk == -(-numel // world_size) and padded == chunk * world_size
+        assert result["bytes"]["master"] == 4 * chunk  # the snapshot's shard
+        assert result["outer_state"] == 4 * chunk  # Nesterov momentum, the shard's only
+        assert result["inner_state"] == 2 * 4 * numel  # exp_avg, exp_avg_sq of the whole replica
+        sizes = result["bytes"]
+        assert sizes["grad_accumulator"] == sizes["grad_handover"] == sizes["handed_over"] == 4 * padded
+        assert sizes["gathered"] == sizes["master_grad"] == sizes["estimate_copy"] == 0
+
+
+def reshard_rank(directory: str, steps: int, world_size_saved: int) -> dict:
+    """Save at one world size with acco.checkpoint, load at another; record the outer state."""
+    import acco.checkpoint
+
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", sync_every=H, sync_delay=1)
+    if dist.get_world_size() == world_size_saved:
+        for t in range(steps):
+            inner_step(opt, model, t, rank, False)
+        acco.checkpoint.save(directory, opt, model)
+    else:
+        acco.checkpoint.load(directory, opt, model)
+    plan = opt.shard_plans[0]
+    start, stop = plan.rank_range(rank)
+    shard = {"momentum": opt.base_optimizers[0].state[opt.base_optimizers[0].param_groups[0]["params"][0]]
+             ["momentum_buffer"].clone(), "start": start, "stop": stop}
+    inner = {k: v.clone() for k, v in opt.inner_optimizers[0].state_dict()["state"][0].items()}
+    out = {"shard": shard, "inner": inner, "params": params_of(model), "in_flight": opt.in_flight is not None}
+    for t in range(steps, steps + 4):
+        inner_step(opt, model, t, rank, False)
+    opt.finish()
+    out["final"] = params_of(model)
+    return out
+
+
+def test_reshard_two_to_three_replicas(ranks, tmp_path) -> None:
+    """A checkpoint of 2 replicas (saved with a round in flight) loads on 3: the outer momentum is
+    re-cut into thirds (the same whole), every new replica takes rank 0's parameters and inner
+    state (docs/checkpoints.md), the round in flight lands, and the 3 replicas end identical."""
+    directory = str(tmp_path / "ckpt")
+    saved = ranks(2).run(reshard_rank, directory, 3, 2)
+    loaded = ranks(3).run(reshard_rank, directory, 3, 2)
+    whole = lambda results: torch.cat([r["shard"]["momentum"] for r in results])  # noqa: E731
+    numel = sum(p.numel() for p in make_model().parameters())
+    torch.testing.assert_close(whole(loaded)[:numel], whole(saved)[:numel], rtol=0, atol=0)
+    for result in loaded:
+        assert result["in_flight"]
+        assert_params_equal(result["params"], saved[0]["params"])
+        for key, value in saved[0]["inner"].items():
+            assert torch.equal(result["inner"][key], value), key
+    assert_identical_across_ranks(loaded, "final")
+
+
+def bad(**options) -> None:
+    AccoOptimizer(make_model(), torch.optim.AdamW, lr=1e-3, **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"mode": "local", "sync_every": 0}, "sync_every: 0"),
+    ({"mode": "local", "sync_every": 2.5}, "sync_every: 2.5"),
+    ({"mode": "local", "sync_every": 4, "sync_delay": 5}, "sync_delay: 5"),
+    ({"mode": "local", "sync_delay": -1}, "sync_delay: -1"),
+    ({"mode": "local", "estimate_dtype": torch.bfloat16}, "estimate_dtype"),
+    ({"mode": "local", "param_dtype": torch.bfloat16}, "param_dtype"),
+    ({"mode": "local", "reduce_dtype": torch.float32}, "reduce_dtype"),
+    ({"mode": "local", "overlap": "blend"}, "overlap: 'blend'"),
+    ({"mode": "local", "outer_optimizer": 3}, "outer_optimizer"),
+    ({"mode": "acco", "sync_every": 8}, "sync_every need mode='local'"),
+    ({"mode": "dpu", "outer_optimizer": torch.optim.SGD}, "outer_optimizer need mode='local'"),
+])
+def test_bad_input_before_any_collective(options, message) -> None:
+    """Each bad argument is a ValueError (or TypeError) naming it; no process group exists, so
+    nothing collective ran."""
+    assert not dist.is_initialized()
+    with pytest.raises((ValueError, TypeError), match=message):
+        bad(**options)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch without Adafactor")
+def test_whole_tensor_outer_optimizer_refuses_a_flat_shard() -> None:
+    """An outer optimizer that updates whole tensors cannot step a flat shard."""
+    with pytest.raises(ValueError, match="Adafactor updates whole tensors"):
+        bad(mode="local", outer_optimizer=functools.partial(torch.optim.Adafactor, lr=0.1), layout="flat")
+    # layout=None picks whole tensors for it, which works on one process
+    model = make_model()
+    opt = AccoOptimizer(model, torch.optim.AdamW, mode="local", outer_optimizer=torch.optim.Adafactor, sync_every=1,
+                        sync_delay=0, lr=1e-2)
+    loss_fn(model, *micro_batch(0, 0, 0)).backward()
+    opt.accumulate()
+    opt.step()
+    assert opt.outer_rounds == 1 and opt.shard_plans[0].layout.value == "tensor"
+    opt.finish()
+
+
+def test_one_process_is_diloco_with_one_replica() -> None:
+    """Without a process group (one replica) the mode still equals the recurrence."""
+    result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1})
+    assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1)[0])
