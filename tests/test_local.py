@@ -284,3 +284,44 @@ def test_one_process_is_diloco_with_one_replica() -> None:
     """Without a process group (one replica) the mode still equals the recurrence."""
     result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1})
     assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1)[0])
+
+
+def mesh_rank(inner: str, steps: int, delay: int) -> dict:
+    """mode="local" across mesh["replicate"], FSDP2 or tensor parallelism inside each replica
+    group (R = S = 2): a replica is a group of 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_mesh import build as build_inner, data_of, full_params
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build_inner(inner, mesh)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
+                        sync_delay=delay, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
+    for t in range(steps):
+        for i in range(2):
+            loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    return {"params": full_params(model), "outer_rounds": opt.outer_rounds}
+
+
+@pytest.mark.parametrize("inner,delay", [("fsdp", 0), ("fsdp", 1), ("tp", 2)])
+def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> None:
+    """On a 2 x 2 mesh each replica group is one replica: its gradient is the mean over its
+    ranks' micro-batches (FSDP2) or its one micro-batch stream (TP); the outer round runs across
+    mesh["replicate"] on the local shards. Equal to the recurrence with 2 replicas, identical
+    full parameters on all 4 ranks."""
+    from tests.test_mesh import data_of, hidden_of
+
+    steps = 7
+    results = ranks(4).run(mesh_rank, inner, steps, delay)
+    assert_identical_across_ranks(results)
+    sources = (lambda m: [2 * m]) if inner == "tp" else (lambda m: [2 * m, 2 * m + 1])
+    data = [[[data_of(inner, t, rank, i, False) for rank in sources(m) for i in range(2)] for m in range(2)]
+            for t in range(steps)]
+    data = [[[(x, y, 1.0) for x, y, _ in replica] for replica in step] for step in data]
+    init = params_of(make_model(hidden=hidden_of(inner)))
+    reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, max_norm=MAX_NORM)
+    assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
