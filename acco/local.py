@@ -129,6 +129,7 @@ class LocalClock:
             nothing (NaN/inf in some replica's parameters with ``nonfinite="skip"``).
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay: what the landing subtracts), or None.
+        global_in_buffer: the rounds' buffers still hold the global values last landed.
     """
 
     options: LocalOptions
@@ -138,6 +139,7 @@ class LocalClock:
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
+    global_in_buffer: bool = False  # the round's buffer holds the last landed global values
 
     def lands_now(self) -> bool:
         """The round in flight lands at the end of this inner step."""

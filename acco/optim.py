@@ -448,6 +448,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         # Each replica counts once: the round averages the replicas' parameters.
         self._schedule.launch(handed, [{} for _ in self._groups], snapshot, submit, weight=WeightSum(1.0, None, 1))
         clock.launched_at = clock.inner_steps
+        clock.global_in_buffer = False
 
     def _land_outer(self, discard: bool = False) -> None:
         """Wait for the outer round in flight and give the replica the new global values, the
@@ -466,6 +467,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 self._buffer_sync.land(round_.buffer_snapshot)
         clock.unsynced = keep
         clock.launched_at = None
+        clock.global_in_buffer = True
         clock.outer_rounds += 1
         clock.skipped_outer_rounds += int(stats.skipped)
 
@@ -479,6 +481,18 @@ class AccoOptimizer(torch.optim.Optimizer):
         """``mode="local"``: landed outer rounds that changed nothing (NaN/inf in some replica's
         parameters with ``nonfinite="skip"``)."""
         return 0 if self._clock is None else self._clock.skipped_outer_rounds
+
+    def global_parameters(self) -> list[list[Tensor]]:
+        """``mode="local"``: copies of the global values the last outer round landed, per param
+        group and parameter (local tensors on a mesh): the model the replicas agree on, to
+        evaluate between rounds. Valid from a landing until the next outer round starts.
+
+        Raises:
+            RuntimeError: another mode, no round landed yet, or one started since the last landed.
+        """
+        if self._clock is None or not self._clock.global_in_buffer:
+            raise RuntimeError("global_parameters(): mode='local' only, between an outer round's landing and the next launch")
+        return [[view.clone() for view in group.gathered_views()] for group in self._groups]
 
     @property
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -115,6 +115,8 @@ class RoundRunner:
                     else:
                         group.gather_input.copy_(group.master)
             self._all_gather(stats, delta_from=masters if light else None)
+            if not light:
+                stats.collective_bytes = sum(g.nbytes for g in round_.grads) + sum(g.gathered.nbytes for g in self._groups)
             self._synchronise_buffers(round_)
         except Exception as error:
             raise CommLaneError(

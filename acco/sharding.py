@@ -479,6 +479,10 @@ class ShardedGroup:
             torch._foreach_copy_(self._views(buffer), [p.detach() for p in self.locals()])
         return buffer
 
+    def gathered_views(self) -> list[Tensor]:
+        """Each parameter's slot of ``gathered``, in its (local) shape."""
+        return self._views(self.gathered)
+
     def add_params_from_buffer(self, handed_over: Tensor) -> None:
         """live parameters += ``gathered`` - ``handed_over`` (the parameters an outer round was
         handed, flat like the round's buffer): the progress made since stays on top of the new

@@ -38,7 +38,9 @@ class RoundStats:
 
     Attributes:
         index: rounds are numbered from 0 in launch order, the same on every rank.
-        kind: ``RoundKind.ESTIMATE`` or ``RoundKind.COMMIT``.
+        kind: ``RoundKind.ESTIMATE`` or ``RoundKind.COMMIT`` (``RoundKind.OUTER`` in
+            ``mode="local"``: the replicas' parameters reduced, the outer update, the new
+            global values gathered).
         local_micro_batches / local_weight: what this rank accumulated during the round.
         global_micro_batches / global_weight: the same summed over all ranks.
         update_weight: the global weight the update divided by (an acco commit covers two
@@ -56,6 +58,9 @@ class RoundStats:
             ``max_grad_norm``).
         skipped: the round saw non-finite gradients and, with ``nonfinite="skip"``,
             changed nothing.
+        collective_bytes: bytes of this rank's reduce-scatter input and all-gather output at
+            full precision (a ring sends (N-1)/N of them per rank; 0 for a light estimate
+            round, whose quantised payload is smaller, and for a skipped or replayed one).
         replayed: the round was re-created by ``load_state_dict()`` from a checkpoint's
             round in flight: it only all-gathers its saved result again.
         phase: the lane phase the round is in (or failed in); ``"queued"`` before it starts.
@@ -79,6 +84,7 @@ class RoundStats:
     skipped: bool = False
     replayed: bool = False
     phase: str = "queued"
+    collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)
     _phases: list[tuple[str, Stamp, Stamp]] = field(default_factory=list, repr=False, compare=False)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -62,7 +64,7 @@ class MethodSpec:
     label: str
     colour: str
     line: str = "-"  # line style in plots: what travels in the estimate round
-    family: str = "acco"  # roofline, ddp, acco or diloco: which class trains it
+    family: str = "acco"  # roofline, ddp, acco, local (acco mode="local") or diloco: which class trains it
     mode: str | None = None  # AccoOptimizer's mode
     estimate_dtype: torch.dtype | None = None  # acco's light estimate round
     ready_loop: bool = False  # keep computing micro-batches while the round in flight has not landed
@@ -100,18 +102,71 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class LocalSpec:
+    """A local-steps method's name, parsed: ``local-hH[-dD][-discard][-olrX]`` (acco
+    ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
+    DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
+    synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
+
+    kind: str  # local, diloco or sdiloco
+    sync_every: int
+    sync_delay: int | None = None  # None: the library's default (acco), 0 (torchft)
+    overlap: str | None = None  # acco: keep (default) or discard
+    outer_lr: float = 0.7
+    fragments: int = 2
+
+    @classmethod
+    def parse(cls, name: str) -> LocalSpec | None:
+        kind, _, rest = name.partition("-h")
+        if kind not in ("local", "diloco", "sdiloco") or not rest:
+            return None
+        parts = rest.split("-")
+        try:
+            spec = cls(kind, int(parts[0]))
+            for part in parts[1:]:
+                if part == "discard" and kind == "local":
+                    spec = dataclasses.replace(spec, overlap="discard")
+                elif part.startswith("olr"):
+                    spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
+                elif part.startswith("d") and kind != "diloco":
+                    spec = dataclasses.replace(spec, sync_delay=int(part[1:]))
+                elif part.startswith("f") and kind == "sdiloco":
+                    spec = dataclasses.replace(spec, fragments=int(part[1:]))
+                else:
+                    return None
+        except ValueError:
+            return None
+        return spec if spec.sync_every >= 1 else None
+
+    def label(self) -> str:
+        olr = "" if self.outer_lr == 0.7 else f", outer lr {self.outer_lr:g}"
+        if self.kind == "diloco":
+            return f"DiLoCo (torchft), H = {self.sync_every}{olr}"
+        if self.kind == "sdiloco":
+            return (f"Streaming DiLoCo (torchft), H = {self.sync_every}, {self.fragments} fragments, delay "
+                    f"{self.sync_delay or 0}{olr}")
+        if self.sync_delay == 0:
+            return f"acco `local` blocking, H = {self.sync_every}{olr}"
+        delay = "default delay" if self.sync_delay is None else f"delay {self.sync_delay}"
+        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'keep'}{olr}"
+
+
 def method_spec(name: str) -> MethodSpec:
-    """The registry's entry; any ``diloco-hN`` (DiLoCo synchronising every N inner steps) too.
+    """The registry's entry; the local-steps names of :class:`LocalSpec` too.
 
     Raises:
         ValueError: an unknown name (argparse's ``type=`` turns it into a usage error).
     """
     if name in METHODS:
         return METHODS[name]
-    every = name.removeprefix("diloco-h")
-    if name.startswith("diloco-h") and every.isdigit() and int(every) >= 1:
-        return MethodSpec(f"DiLoCo, H = {every}", "C6", family="diloco")
-    raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)}, or diloco-hN)")
+    local = LocalSpec.parse(name)
+    if local is not None:
+        colour = {"local": "C2", "diloco": "C6", "sdiloco": "C4"}[local.kind]
+        line = "--" if local.sync_delay == 0 and local.kind == "local" else "-"
+        return MethodSpec(local.label(), colour, line, family="diloco" if local.kind != "local" else "local")
+    raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)}, or local-hN..., diloco-hN..., "
+                     "sdiloco-hN...)")
 
 
 def method_name(name: str) -> str:
@@ -220,6 +275,10 @@ class Method:
 
     def end_round(self) -> bool:
         raise NotImplementedError
+
+    def eval_params(self, params: list[Tensor]) -> list[Tensor]:
+        """Copies of the parameters an evaluation after this boundary reads."""
+        return [p.detach().clone() for p in params]
 
     def ready(self) -> bool:
         return True
@@ -435,7 +494,8 @@ class TorchftDiLoCoMethod(Method):
         from torchft.local_sgd import DiLoCo
 
         super().__init__(name, config, micro_batches_per_update, model)
-        self.sync_every = int(name.removeprefix("diloco-h"))
+        local = LocalSpec.parse(name)
+        self.sync_every = local.sync_every
         self.inner = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.inner, schedule)
         self.inner_steps = self.outer_steps = 0
@@ -456,8 +516,15 @@ class TorchftDiLoCoMethod(Method):
             state_dict=lambda: {"model": model.state_dict()}, store_port=self._store.port, hostname="127.0.0.1",
             lighthouse_addr=address[0], use_async_quorum=False, init_sync=False, timeout=timeout,
             quorum_timeout=timeout, connect_timeout=timeout)
-        self.outer = torch.optim.SGD(model.parameters(), lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-        self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
+        if local.kind == "sdiloco":  # blocks cut into P consecutive fragments; embeddings with the first
+            fragments = fragments_of(model, local.fragments)
+            self.outer = [torch.optim.SGD(f.parameters(), lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
+                          for f in fragments]
+            self.diloco = DiLoCo(self.manager, fragments, self.inner, self.outer, sync_every=self.sync_every,
+                                 fragment_sync_delay=local.sync_delay or 0)
+        else:
+            self.outer = torch.optim.SGD(model.parameters(), lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
+            self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
         self.diloco.__enter__()  # registers its hooks on the inner optimizer
         self.synced = [p.detach().clone() for p in self._params]
 
@@ -495,6 +562,82 @@ class TorchftDiLoCoMethod(Method):
             self._lighthouse.shutdown()
 
 
+def fragments_of(model: nn.Module, count: int) -> list[nn.Module]:
+    """Streaming DiLoCo's fragments of the GPT: its blocks in ``count`` consecutive runs, the
+    embeddings with the first, the final LayerNorm with the last (every parameter in one)."""
+    blocks = list(model.blocks)
+    size = -(-len(blocks) // count)
+    runs = [blocks[i : i + size] for i in range(0, len(blocks), size)]
+    fragments = [nn.ModuleList(run) for run in runs]
+    fragments[0].extend([model.tok_emb, model.pos_emb])
+    fragments[-1].append(model.ln_f)
+    return fragments
+
+
+class AccoLocalMethod(Method):
+    """acco ``mode="local"``: every ``end_round()`` is one inner step (an update's micro-batches)
+    of this rank's replica, with its own warm-up schedule; True when an outer round has landed,
+    whose global values are what an evaluation reads (``eval_params``)."""
+
+    def __init__(self, name: str, config: ModelConfig, micro_batches_per_update: int, model: nn.Module,
+                 schedule: Callable[[int], float], acco_module: ModuleType) -> None:
+        super().__init__(name, config, micro_batches_per_update, model)
+        local = LocalSpec.parse(name)
+        self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
+        self.sync_every = local.sync_every
+        options = {"sync_every": local.sync_every, "outer_optimizer": functools.partial(
+            torch.optim.SGD, lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)}
+        if local.sync_delay is not None:
+            options["sync_delay"] = local.sync_delay
+        if local.overlap is not None:
+            options["overlap"] = local.overlap
+        self.local_opt = acco_module.AccoOptimizer(
+            param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
+            betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)
+        self.sync_delay = self.local_opt._clock.options.sync_delay
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.local_opt, schedule)
+        self.inner_steps = 0
+        self._global: list[Tensor] | None = None
+
+    def fold(self) -> None:
+        self.local_opt.accumulate()
+
+    def end_round(self) -> bool:
+        before = self.local_opt.outer_rounds
+        self.local_opt.step()
+        self.scheduler.step()
+        self.inner_steps += 1
+        if self.local_opt.outer_rounds == before:
+            return False
+        try:
+            self._global = [t for group in self.local_opt.global_parameters() for t in group]
+        except RuntimeError:  # sync_delay == sync_every: the next round has taken the buffer
+            self._global = None
+        return True
+
+    def ready(self) -> bool:
+        return self.local_opt.ready()
+
+    def finish(self) -> bool:
+        self._global = None
+        return self.local_opt.finish()
+
+    def eval_params(self, params: list[Tensor]) -> list[Tensor]:
+        """The global values the last outer round landed (the replicas' own parameters when
+        they are not available)."""
+        if self._global is None:
+            return [p.detach().clone() for p in params]
+        order = [p for group in self.local_opt.param_groups for p in group["params"]]
+        by_id = {id(p): value for p, value in zip(order, self._global)}
+        return [by_id[id(p)].clone() for p in params]
+
+    def round_stats(self) -> list[Any]:
+        return list(self.local_opt.round_stats)
+
+    def committed_updates(self, counted: int) -> int:
+        return self.local_opt.outer_rounds * self.sync_every  # inner steps merged into the global model
+
+
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | None = None, bucket_view: bool = False, acco_module: ModuleType | None = None,
                  schedule: Callable[[int], float] | None = None, mixed: torch.dtype | None = None) -> Method:
@@ -526,6 +669,9 @@ def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, 
         return FSDPMethod(name, config, micro_batches_per_update, model, mixed)
     if spec.family == "diloco":
         return TorchftDiLoCoMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0))
+    if spec.family == "local":
+        return AccoLocalMethod(name, config, micro_batches_per_update, model, schedule or (lambda step: 1.0),
+                               acco_module or acco)
     return AccoMethod(name, config, micro_batches_per_update, model, acco_module or acco)
 
 

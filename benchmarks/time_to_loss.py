@@ -198,7 +198,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
         started = time.perf_counter()
         samples = round(method.committed_micro_batches(counted)) * args.batch_size
         snapshots.append(({"elapsed_s": elapsed, "updates": method.committed_updates(counted), "samples": samples},
-                          [p.detach().clone() for p in params]))
+                          method.eval_params(params)))
         clock.pause(time.perf_counter() - started)
 
     while True:
@@ -256,6 +256,11 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
                       implementation=f"torchft {common.torchft_version()}")
         if lo_bytes is not None and method.outer_steps:
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
+    if method.spec.family == "local":
+        result.update(sync_every=method.sync_every, sync_delay=method.sync_delay, inner_steps=method.inner_steps,
+                      outer_steps=method.local_opt.outer_rounds)
+        if lo_bytes is not None and method.local_opt.outer_rounds:
+            result["lo_bytes_per_sync"] = lo_bytes / method.local_opt.outer_rounds
     if method.round_stats():
         result["lane"] = common.lane_summary(method.round_stats())
     method.close()

@@ -63,6 +63,7 @@ class Spec:
     inner: str  # "hsdp": FSDP2 on the 2-D mesh; "fsdp": FSDP2 on mesh["shard"]; "none": plain model
     mode: str | None = None
     ready_loop: bool = False  # common.train_round keeps computing while not ready()
+    local: dict[str, Any] | None = None  # mode="local": sync_every, sync_delay (None: the library's default)
 
 
 METHODS: dict[str, Spec] = {
@@ -71,14 +72,24 @@ METHODS: dict[str, Spec] = {
     "fsdp-acco": Spec("FSDP2 inside + acco `acco` across", "fsdp", "acco"),
     "fsdp-acco-aww": Spec("FSDP2 inside + acco `acco` across, `ready()` loop", "fsdp", "acco", ready_loop=True),
     "flat-acco": Spec("flat acco `acco` on 4 ranks (no FSDP2)", "none", "acco"),
+    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, default delay", "fsdp", "local",
+                       local={"sync_every": 16}),
+    "fsdp-local-blocking": Spec("FSDP2 inside + acco `local` across, H = 16, blocking", "fsdp", "local",
+                                local={"sync_every": 16, "sync_delay": 0}),
+    # No outer round before finish(): the inner steps' rate with nothing crossing the link.
+    "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
+                                    local={"sync_every": 10**9, "sync_delay": 0}),
 }
+# The bar's comparison of inner-step rates: acco local's against the compute-only rate.
+COMPUTE_ONLY = "fsdp-local-compute-only"
 MESHES = ((1, 4), (2, 2), (4, 1))  # (R, S) of the memory table, on 4 ranks
 # The memory table's model: large enough that buffers dwarf the activations and the padding.
 MEMORY_MODEL = common.ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64, batch_size=1)
 KINDS = ("parameters", "gradients", "accumulator", "hand-over", "all-gather buffer", "master shard",
-         "master gradient", "optimizer state", "estimate copy")
+         "master gradient", "optimizer state", "estimate copy", "handed over", "outer state")
 ACCO_BUFFERS = {"grad_accumulator": "accumulator", "grad_handover": "hand-over", "gathered": "all-gather buffer",
-                "master": "master shard", "master_grad": "master gradient", "estimate_copy": "estimate copy"}
+                "master": "master shard", "master_grad": "master gradient", "estimate_copy": "estimate copy",
+                "handed_over": "handed over"}
 MiB = 2**20
 
 
@@ -182,7 +193,8 @@ class AccoOnMesh(common.AccoRounds, MeshMethod):
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
         self.opt = acco.AccoOptimizer(param_groups(model, config.weight_decay), torch.optim.AdamW,
                                       process_group=process_group, mode=spec.mode, lr=config.lr, betas=config.betas,
-                                      max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5))
+                                      max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5),
+                                      **(spec.local or {}))
         # acco's committed weight counts the micro-batches of its group's ranks; each of them
         # stands for a replica group of opt.replica_size ranks (FSDP2 averaged over them already)
 
@@ -191,6 +203,9 @@ class AccoOnMesh(common.AccoRounds, MeshMethod):
 
     def committed_micro_batches(self, counted: int) -> float:
         return self.opt.committed_weight * self.opt.replica_size
+
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.opt.inner_optimizers
 
     def base_optimizers(self) -> list[torch.optim.Optimizer]:
         return [b for b in self.opt.base_optimizers if b is not None]
@@ -247,7 +262,13 @@ def account(method: MeshMethod) -> dict[str, Any]:
         for group in method.opt.buffer_bytes():
             for buffer, nbytes in group.items():
                 sizes[ACCO_BUFFERS[buffer]] += nbytes
+    local_mode = is_acco and method.spec.mode == "local"  # base optimizers: the outer one, on 1/R shards
     for opt in method.base_optimizers():
+        for state in opt.state.values():
+            for t in state.values():
+                if isinstance(t, Tensor):
+                    add(t, "outer state" if local_mode else "optimizer state")
+    for opt in method.inner_optimizers() if local_mode else []:
         for state in opt.state.values():
             for t in state.values():
                 if isinstance(t, Tensor):
@@ -407,6 +428,9 @@ def train_for_budget(name: str, args: argparse.Namespace, config: common.ModelCo
     result["micro_batches_per_update"] = result["committed_micro_batches"] / dist.get_world_size() / max(1, updates)
     if method.round_stats():
         result["lane"] = common.lane_summary(method.round_stats())
+    if method.spec.mode == "local":  # an update is an inner step; outer rounds apart
+        result.update(outer_rounds=method.opt.outer_rounds, inner_steps_per_s=updates / end_s,
+                      sync_delay=method.opt._clock.options.sync_delay)
     method.close()
     return result
 
