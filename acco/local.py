@@ -8,8 +8,8 @@ steps an *outer round* starts on the comm lane (:class:`acco.runner.RoundRunner`
 its shard of the *snapshot* (the last global values, kept only as this rank's 1/R master
 shard), steps that shard with the outer optimizer (its state 1/R too) and all-gathers the new
 global values. ``sync_delay`` inner steps later the round *lands*: the replica takes the new
-global values, and what it learnt meanwhile is kept on top of them (``overlap="keep"``) or
-dropped (``"discard"``). ``sync_delay=0`` is blocking DiLoCo. The recurrences:
+global values, and what it learnt meanwhile is dropped (``overlap="discard"``, the default)
+or kept on top of them (``"keep"``). ``sync_delay=0`` is blocking DiLoCo. The recurrences:
 docs/design.md, "Local steps".
 
 :class:`InnerSteps` is the inner update; :class:`LocalClock` says when rounds launch and land.

@@ -156,12 +156,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         module: the model whose buffers those are (default: ``params`` if a module).
         sync_every: ``local`` only: inner steps between outer rounds (default 30).
         sync_delay: ``local`` only: inner steps an outer round overlaps before it lands, in
-            ``[0, sync_every]``; 0 is blocking DiLoCo (default ``max(1, sync_every // 4)``).
+            ``[0, sync_every]`` (``< sync_every`` with ``"discard"``); 0 is blocking DiLoCo
+            (default ``sync_every // 2``).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
             rank's 1/R shard of the snapshot with the mean pseudo-gradient.
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
-            kept on top of the new global values (``"keep"``, default) or dropped (``"discard"``).
+            dropped (``"discard"``, default: every replica takes the new global values) or
+            kept on top of them (``"keep"``).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.

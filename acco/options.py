@@ -59,8 +59,8 @@ class Overlap(str, enum.Enum):
     """mode="local": what the inner steps taken while an outer round is in flight become
     when it lands (docs/design.md, "Local steps")."""
 
+    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default; acco's)
     KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
-    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -92,9 +92,10 @@ DEFAULT_SYNC_EVERY = 30
 
 
 def default_sync_delay(sync_every: int) -> int:
-    """The inner steps an outer round overlaps by default: a quarter of ``sync_every`` (at
-    least one), the delay that measured best (docs/loops.md, "Slow links: local steps")."""
-    return max(1, sync_every // 4)
+    """The inner steps an outer round overlaps by default: half of ``sync_every`` with the
+    default ``overlap="discard"``, the delay that measured best (docs/loops.md, "Slow links:
+    local steps"); 0 for ``sync_every=1``, where there is no step to overlap."""
+    return sync_every // 2
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,12 @@ class LocalOptions:
                 f"Invalid sync_delay: {sync_delay!r} (an int in [0, sync_every={every}]: the inner steps an outer "
                 "round overlaps; 0 blocks)"
             )
+        chosen = parse_enum(Overlap, Overlap.DISCARD if overlap is None else overlap, "overlap")
+        if chosen is Overlap.DISCARD and delay == every:
+            raise ValueError(
+                f"Invalid sync_delay: {delay} with overlap='discard': a round landing sync_every={every} steps after "
+                "its launch would throw away every inner step (use a smaller sync_delay, or overlap='keep')"
+            )
         outer = DEFAULT_OUTER if outer_optimizer is None else outer_optimizer
         if not callable(outer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
@@ -136,8 +143,7 @@ class LocalOptions:
         if not isinstance(probe, torch.optim.Optimizer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} built a {type(probe).__name__}, not a torch.optim.Optimizer")
         check_optimizer_class(type(probe))
-        return cls(every, delay, parse_enum(Overlap, Overlap.KEEP if overlap is None else overlap, "overlap"), outer,
-                   type(probe))  # fmt: skip
+        return cls(every, delay, chosen, outer, type(probe))
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
 
 
 def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
-                    sync_every: int, sync_delay: int, overlap: str = "keep", max_norm: float | None = None,
+                    sync_every: int, sync_delay: int, overlap: str = "discard", max_norm: float | None = None,
                     outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None) -> list[Params]:
     """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
 

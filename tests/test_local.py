@@ -163,7 +163,7 @@ def test_resume_is_bit_identical(ranks, delay, stop) -> None:
 
 def memory_rank(layout: str) -> dict:
     model = make_model(seed=0, hidden=61)
-    opt = build(model, "adamw", layout=layout, sync_every=2, sync_delay=1)
+    opt = build(model, "adamw", layout=layout, sync_every=2, sync_delay=1, overlap="keep")
     for t in range(3):
         inner_step(opt, model, t, this_rank(), False)
     outer = opt.base_optimizers[0]
@@ -252,6 +252,7 @@ def bad(**options) -> None:
     ({"mode": "local", "param_dtype": torch.bfloat16}, "param_dtype"),
     ({"mode": "local", "reduce_dtype": torch.float32}, "reduce_dtype"),
     ({"mode": "local", "overlap": "blend"}, "overlap: 'blend'"),
+    ({"mode": "local", "sync_every": 4, "sync_delay": 4}, "sync_delay: 4 with overlap='discard'"),
     ({"mode": "local", "outer_optimizer": 3}, "outer_optimizer"),
     ({"mode": "acco", "sync_every": 8}, "sync_every need mode='local'"),
     ({"mode": "dpu", "outer_optimizer": torch.optim.SGD}, "outer_optimizer need mode='local'"),
@@ -325,3 +326,14 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
     init = params_of(make_model(hidden=hidden_of(inner)))
     reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, max_norm=MAX_NORM)
     assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
+
+
+def test_defaults() -> None:
+    """sync_every 30, sync_delay sync_every // 2 (0 for sync_every 1), overlap "discard", DiLoCo's
+    outer Nesterov SGD: what measured best (docs/loops.md)."""
+    opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
+    local = opt.options.local
+    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 15, "discard")
+    assert opt.base_optimizers[0].defaults["lr"] == 0.7 and opt.base_optimizers[0].defaults["nesterov"]
+    opt.finish()
+    assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1).options.local.sync_delay == 0
