@@ -148,8 +148,10 @@ class LocalSpec:
                     f"{self.sync_delay or 0}{olr}")
         if self.sync_delay == 0:
             return f"acco `local` blocking, H = {self.sync_every}{olr}"
+        if self.sync_delay is None and self.overlap is None:
+            return f"acco `local`, H = {self.sync_every}, library defaults{olr}"
         delay = "default delay" if self.sync_delay is None else f"delay {self.sync_delay}"
-        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'keep'}{olr}"
+        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'default rule'}{olr}"
 
 
 def method_spec(name: str) -> MethodSpec:
