@@ -104,7 +104,7 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A local-steps method's name, parsed: ``local-hH[-dD][-discard][-olrX]`` (acco
+    """A local-steps method's name, parsed: ``local-hH[-dD][-discard|-keep][-olrX]`` (acco
     ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
@@ -125,8 +125,8 @@ class LocalSpec:
         try:
             spec = cls(kind, int(parts[0]))
             for part in parts[1:]:
-                if part == "discard" and kind == "local":
-                    spec = dataclasses.replace(spec, overlap="discard")
+                if part in ("discard", "keep") and kind == "local":
+                    spec = dataclasses.replace(spec, overlap=part)
                 elif part.startswith("olr"):
                     spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
                 elif part.startswith("d") and kind != "diloco":
