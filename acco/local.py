@@ -59,20 +59,21 @@ class InnerSteps:
             kwargs = defaults if cls is optimizer_class else {}
             self.optimizers.append(cls([{**base_hyperparams(group), "params": group["params"]}], **kwargs))
 
-    def step(self, weights: WeightSum, max_grad_norm: float | None, nonfinite: NonFinite, step: int) -> tuple[bool, float]:
+    def step(self, weights: WeightSum, max_grad_norm: float | None, nonfinite: NonFinite, step: int) -> tuple[bool, bool]:
         """One inner update from the accumulators (zeroed after); returns whether it was
-        applied (not: no micro-batch, or a skipped NaN/inf) and the gradient norm.
+        applied, and whether it was skipped for NaN/inf (neither: no micro-batch).
 
         Raises:
             ValueError: invalid weights. FloatingPointError: NaN or inf in the gradients with
-            ``nonfinite="raise"`` (nothing changed; the accumulators keep the gradients).
+            ``nonfinite="raise"`` (nothing updated; the accumulators hold the gradient sums
+            again, up to the rounding of dividing and multiplying by the weight).
         """
         total = weights.total()
         if weights.device is not None and float(weights.device[1]):
             raise ValueError(f"accumulate() got {int(weights.device[1])} invalid weight(s) (negative, NaN or inf)")
         if total == 0:
             self._zero_accumulators()
-            return False, 0.0
+            return False, False
         params, grads = [], []
         for group in self._groups:
             group.grad_accumulator.div_(total)
@@ -84,21 +85,20 @@ class InnerSteps:
             norm = torch.nn.utils.get_total_norm(grads)
             if is_dtensor(norm):  # a replica's DTensor gradients: the norm over the replica group
                 norm = norm.full_tensor()
-            norm_value = float(norm)
-            if not math.isfinite(norm_value):
+            if not math.isfinite(float(norm)):
                 if nonfinite is NonFinite.RAISE:
                     for group in self._groups:
                         group.grad_accumulator.mul_(total)  # back to the sums accumulated
                     raise FloatingPointError(f"non-finite gradients in inner step {step} on this replica")
                 self._zero_accumulators()
-                return False, norm_value
+                return False, True
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
             for optimizer, group in zip(self.optimizers, self._param_groups):
                 optimizer.param_groups[0].update(base_hyperparams(group))
                 optimizer.step()
             self._zero_accumulators()
-            return True, norm_value
+            return True, False
         finally:
             for param in params:
                 param.grad = None
@@ -143,7 +143,11 @@ class LocalClock:
 
     def lands_now(self) -> bool:
         """The round in flight lands at the end of this inner step."""
-        return self.launched_at is not None and self.inner_steps - self.launched_at >= self.options.sync_delay
+        return self.lands_after(self.inner_steps)
+
+    def lands_after(self, steps: int) -> bool:
+        """Whether the round in flight lands once ``steps`` inner steps are done."""
+        return self.launched_at is not None and steps - self.launched_at >= self.options.sync_delay
 
     def launches_now(self) -> bool:
         return self.inner_steps % self.options.sync_every == 0
@@ -154,19 +158,16 @@ class LocalClock:
         return self.options.overlap is Overlap.KEEP and self.options.sync_delay > 0
 
     def state_dict(self) -> dict[str, Any]:
+        """The counters (``handed_over`` is the optimizer's to save, per parameter)."""
         return {
             "inner_steps": self.inner_steps,
             "launched_at": self.launched_at,
             "unsynced": self.unsynced,
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
-            "handed_over": None if self.handed_over is None else [t.clone() for t in self.handed_over],
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
-        if saved["handed_over"] is not None and self.handed_over is not None:
-            for target, value in zip(self.handed_over, saved["handed_over"]):
-                target.copy_(value)

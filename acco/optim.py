@@ -371,9 +371,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         """
         done = self._schedule.in_flight is None or self._schedule.in_flight.future.done()
         if self._clock is not None:  # mode="local": step() waits only when the round lands
-            self._clock.inner_steps += 1
-            done = done or not self._clock.lands_now()
-            self._clock.inner_steps -= 1
+            done = done or not self._clock.lands_after(self._clock.inner_steps + 1)
         if self._replica_comm is None:
             return done
         waiting = torch.tensor([0.0 if done else 1.0], device=self._groups[0].device)
@@ -420,12 +418,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         clock, weights = self._clock, self._schedule.take_weights()
         try:
             with self._folder.views_released():
-                updated, norm = self._inner.step(weights, self.max_grad_norm, self.nonfinite, clock.inner_steps)
+                updated, skipped = self._inner.step(weights, self.max_grad_norm, self.nonfinite, clock.inner_steps)
         except BaseException:
             self._schedule.pending, self._schedule.current = weights, weights.copy()
             raise
         self.num_updates += int(updated)
-        self.skipped_updates += int(not updated and norm != 0.0)
+        self.skipped_updates += int(skipped)
         self.committed_weight += weights.total() if updated else 0.0
         clock.inner_steps += 1
         clock.unsynced = True
@@ -794,20 +792,19 @@ class AccoOptimizer(torch.optim.Optimizer):
         them)."""
         if self._clock is None:
             return None
-        saved = self._clock.state_dict()
-        if saved["handed_over"] is not None:
-            saved["handed_over"] = [per_param(g.plan, h) for g, h in zip(self._groups, saved["handed_over"])]
+        handed = self._clock.handed_over
+        if handed is not None:
+            handed = [per_param(g.plan, h) for g, h in zip(self._groups, handed)]
         # Each replica's own parameters: they differ between outer rounds, and the model's
         # checkpoint is often rank 0's only (acco.checkpoint, consolidate_state_dict).
         live = [[p.detach().clone() for p in group.locals()] for group in self._groups]
-        return {**saved, "inner": self._inner.state_dicts(), "live": live}
+        return {**self._clock.state_dict(), "handed_over": handed, "inner": self._inner.state_dicts(), "live": live}
 
     def _load_local_state(self, saved: dict[str, Any]) -> None:
-        handed = saved["handed_over"]
-        if handed is not None:
-            handed = [full(g.plan, values, g.param_dtype).to(g.device) for g, values in zip(self._groups, handed)]
-            self._clock.handed_over = [torch.empty_like(h) for h in handed]
-        self._clock.load_state_dict({**saved, "handed_over": handed})
+        self._clock.load_state_dict(saved)
+        if saved["handed_over"] is not None:
+            self._clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
+                                       for g, values in zip(self._groups, saved["handed_over"])]
         self._inner.load_state_dicts(saved["inner"])
         with torch.no_grad():
             for group, values in zip(self._groups, saved["live"]):

@@ -596,7 +596,7 @@ class AccoLocalMethod(Method):
         self.local_opt = acco_module.AccoOptimizer(
             param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
             betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)
-        self.sync_delay = self.local_opt._clock.options.sync_delay
+        self.sync_delay = self.local_opt.options.local.sync_delay
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.local_opt, schedule)
         self.inner_steps = 0
         self._global: list[Tensor] | None = None

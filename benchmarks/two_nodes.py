@@ -430,7 +430,7 @@ def train_for_budget(name: str, args: argparse.Namespace, config: common.ModelCo
         result["lane"] = common.lane_summary(method.round_stats())
     if method.spec.mode == "local":  # an update is an inner step; outer rounds apart
         result.update(outer_rounds=method.opt.outer_rounds, inner_steps_per_s=updates / end_s,
-                      sync_delay=method.opt._clock.options.sync_delay)
+                      sync_delay=method.opt.options.local.sync_delay)
     method.close()
     return result
 
