@@ -14,7 +14,7 @@ overflow on one rank, only that rank's scale backs off), and a power-of-two scal
 result bit for bit the run without a scaler. NaN or inf on any rank skips that update on
 every rank (``nonfinite="skip"`` for the round), as GradScaler skips ``step()``.
 
-``acco`` mode refuses it: a commit round sums the estimate round's gradients, kept in the
+``acco`` mode refuses it (its loop's ``grad_scaler_refusal``, :mod:`acco.loops`): a commit round sums the estimate round's gradients, kept in the
 accumulator, and its own, and the scale may change between the two (``scaler.update()``
 grows it every ``growth_interval`` steps), so the sum could not be unscaled exactly.
 """
@@ -23,37 +23,32 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
-
-from acco.options import Mode
 
 __all__ = ["inverse_scale"]
 
 
-def inverse_scale(optimizer: Any, mode: Mode, holds_grad_views: bool) -> Tensor | None:
+def inverse_scale(optimizer: Any, refusal: str | None, holds_grad_views: bool) -> Tensor | None:
     """The inverse of the GradScaler scale of the round ``step()`` is ending, on the
     scale's device (no host synchronisation), or None without a GradScaler.
 
+    Args:
+        optimizer: the optimizer ``scaler.step()`` set ``found_inf`` and ``grad_scale`` on.
+        refusal: why the optimizer's loop cannot take a GradScaler (its
+            ``grad_scaler_refusal``: acco and local mode), or None.
+        holds_grad_views: ``p.grad`` holds the gradients GradScaler scanned.
+
     Raises:
-        ValueError: in ``acco`` mode; after ``scaler.unscale_(opt)``; or where ``p.grad``
-            holds no gradient for GradScaler's overflow scan (weighted micro-batches, a
-            ``reduce_dtype`` other than the parameters', DTensor parameters). Raised before
-            anything is landed or launched.
+        ValueError: the loop refuses a GradScaler; after ``scaler.unscale_(opt)``; or where
+            ``p.grad`` holds no gradient for GradScaler's overflow scan (weighted
+            micro-batches, a ``reduce_dtype`` other than the parameters', DTensor
+            parameters). Raised before anything is landed or launched.
     """
     found_inf = getattr(optimizer, "found_inf", None)
     if found_inf is None:
         return None
-    if mode is Mode.LOCAL:
-        raise ValueError(
-            "torch.amp.GradScaler is not supported in mode='local' yet: use bf16 autocast (no scaler needed)"
-        )
-    if mode is Mode.ACCO:
-        raise ValueError(
-            "torch.amp.GradScaler is not supported in mode='acco': a commit round sums the estimate "
-            "round's gradients and its own, and the scale may change between the two rounds. Use bf16 "
-            "autocast (no scaler needed), or mode='dpu' or mode='sync' with the GradScaler"
-        )
+    if refusal is not None:
+        raise ValueError(refusal)
     grad_scale = getattr(optimizer, "grad_scale", None)
     if grad_scale is None:
         raise ValueError(

@@ -1,18 +1,20 @@
 """mode="local": inner steps on each replica, an outer round across replicas every ``sync_every``.
 
-Each rank (each replica group, on a mesh) trains its own copy of the model with the inner
-optimizer, a whole torch optimizer stepped on the training thread at every ``step()`` on this
-replica's own gradients; no collective across replicas runs there. Every ``sync_every`` inner
-steps an *outer round* starts on the comm lane (:class:`acco.runner.RoundRunner`, kind
-``outer``): the replicas' parameters are reduce-scattered, each rank subtracts their mean from
-its shard of the *snapshot* (the last global values, kept only as this rank's 1/R master
-shard), steps that shard with the outer optimizer (its state 1/R too) and all-gathers the new
-global values. ``sync_delay`` inner steps later the round *lands*: the replica takes the new
-global values, and what it learnt meanwhile is dropped (``overlap="discard"``, the default)
-or kept on top of them (``"keep"``). ``sync_delay=0`` is blocking DiLoCo. The recurrences:
-docs/design.md, "Local steps".
+The local loop, whole. Each rank (each replica group, on a mesh) trains its own copy of the
+model with the inner optimizer, a whole torch optimizer stepped on the training thread at
+every ``step()`` on this replica's own gradients; no collective across replicas runs there.
+Every ``sync_every`` inner steps an *outer round* starts on the comm lane
+(:class:`OuterRunner`): the replicas' parameters are reduce-scattered, each rank subtracts
+their mean from its shard of the *snapshot* (the last global values, kept only as this rank's
+1/R shard, at full precision), steps that shard with the outer optimizer (its state 1/R too)
+and all-gathers the new global values. ``sync_delay`` inner steps later the round *lands*:
+the replica takes the new global values, and what it learnt meanwhile is dropped
+(``overlap="discard"``, the default) or kept on top of them (``"keep"``). ``sync_delay=0``
+is blocking DiLoCo. The recurrences: docs/design.md, "Local steps".
 
-:class:`InnerSteps` is the inner update; :class:`LocalClock` says when rounds launch and land.
+:class:`LocalLoop` is the loop (:mod:`acco.loops` says what a loop is); :class:`InnerSteps`
+the inner update; :class:`LocalClock` when rounds launch and land; :class:`OuterRound` and
+:class:`OuterRunner` the outer round and its body on the comm lane.
 """
 
 from __future__ import annotations
@@ -24,13 +26,274 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from acco.folding import WeightSum
+from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor
-from acco.options import LocalOptions, NonFinite, Overlap, base_hyperparams
+from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
+from acco.portable import full, per_param
+from acco.rounds import LaneRound
+from acco.runner import LaneWork
 from acco.sharding import ShardedGroup
+from acco.telemetry import RoundStats
 
-__all__ = ["InnerSteps", "LocalClock"]
+__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner"]
+
+
+class LocalLoop(Loop):
+    """``mode="local"``'s loop: every ``step()`` is one inner update of this replica; every
+    ``sync_every`` steps an outer round launches on the comm lane, and lands ``sync_delay``
+    steps later.
+
+    Attributes:
+        snapshot: per param group, this rank's 1/R shard of the global values the last outer
+            round landed (full precision): what the outer optimizer steps. It is the group's
+            master shard (:attr:`acco.sharding.ShardedGroup.master`), the values this rank
+            owns, so checkpoints save and reshard it as any mode's.
+        shard_optimizers: the outer optimizers, one per param group on the snapshot's shard
+            (None: this rank owns nothing of the group).
+        inner: the inner optimizers and the inner update.
+        clock: when outer rounds launch and land, and what has landed.
+    """
+
+    mode = Mode.LOCAL
+    round_kinds = (RoundKind.OUTER,)
+    grad_scaler_refusal = "torch.amp.GradScaler is not supported in mode='local' yet: use bf16 autocast (no scaler needed)"
+
+    def __init__(self, parts: LoopParts) -> None:
+        super().__init__(parts)
+        local = parts.options.local
+        self.snapshot = [group.master for group in parts.groups]
+        self.shard_optimizers = [
+            local.outer_optimizer([{"params": group.master_views}]) if group.master_views else None
+            for group in parts.groups
+        ]
+        self.inner = InnerSteps(parts.param_groups, parts.groups, parts.optimizer_class, parts.defaults)
+        self.clock = LocalClock(local)
+        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, *parts.lane_work_args())
+
+    @staticmethod
+    def sharded_class(options: Options) -> type | None:
+        """The outer optimizer runs on the shards, so its class decides the layout."""
+        return options.local.outer_class
+
+    def step(self, inv_scale: Tensor | None) -> bool:
+        """This replica's inner update, then the outer round in flight lands (``sync_delay``
+        steps after its launch) and the next one starts (every ``sync_every``)."""
+        clock, weights, options = self.clock, self._schedule.take_round_weights(), self._parts.options
+        try:
+            with self._parts.folder.views_released():
+                updated, skipped = self.inner.step(weights, options.max_grad_norm, options.nonfinite, clock.inner_steps)
+        except BaseException:
+            self._schedule.put_back_round_weights(weights)
+            raise
+        self._counts.num_updates += int(updated)
+        self._counts.skipped_updates += int(skipped)
+        self._counts.committed_weight += weights.total() if updated else 0.0
+        clock.inner_steps += 1
+        clock.unsynced = True
+        if clock.lands_now():
+            self._land()
+        if clock.launches_now():
+            self._launch()
+            if clock.options.sync_delay == 0:
+                self._land()
+        return updated
+
+    def ready(self) -> bool:
+        """``step()`` waits only when the round in flight lands at its end."""
+        in_flight = self._schedule.in_flight
+        done = in_flight is None or in_flight.future.done()
+        return done or not self.clock.lands_after(self.clock.inner_steps + 1)
+
+    def finish(self) -> bool:
+        """The round in flight lands, then one more (blocking) over the inner steps since,
+        so every replica ends at the same, global parameters."""
+        committed = self._schedule.in_flight is not None
+        if committed:
+            self._land()
+        if self.clock.unsynced:
+            self._launch()
+            self._land(discard=True)
+            committed = True
+        return committed
+
+    def _launch(self) -> None:
+        """Hand the live parameters to an outer round on the comm lane."""
+        clock = self.clock
+        params = [group.hand_over_params() for group in self._groups]
+        if clock.keeps_progress:
+            if clock.handed_over is None:
+                clock.handed_over = [torch.empty_like(p) for p in params]
+            torch._foreach_copy_(clock.handed_over, params)
+        round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
+                            buffer_snapshot=self._buffer_snapshot(), params=params)  # fmt: skip
+        self._schedule.launch(round_, self._submit_with(self.lane_work.run))
+        clock.launched_at = clock.inner_steps
+        clock.global_in_buffer = False
+
+    def _land(self, discard: bool = False) -> None:
+        """Wait for the outer round in flight and give the replica the new global values, the
+        progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
+        clock, round_ = self.clock, self._schedule.take_in_flight()
+        stats = self._schedule.wait(round_)
+        # (No inner step since the launch: the new global values themselves, bit for bit.)
+        keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
+        with record_function("acco.load_params"):
+            for number, group in enumerate(self._groups):
+                if keep:
+                    group.add_params_from_buffer(clock.handed_over[number])
+                else:
+                    group.load_params_from_buffer()
+            self._land_buffers(round_)
+        clock.unsynced = keep
+        clock.launched_at = None
+        clock.global_in_buffer = True
+        clock.outer_rounds += 1
+        clock.skipped_outer_rounds += int(stats.skipped)
+
+    @property
+    def outer_rounds(self) -> int:  # type: ignore[override]
+        return self.clock.outer_rounds
+
+    @property
+    def skipped_outer_rounds(self) -> int:  # type: ignore[override]
+        return self.clock.skipped_outer_rounds
+
+    def global_parameters(self) -> list[list[Tensor]]:
+        if not self.clock.global_in_buffer:
+            raise RuntimeError("global_parameters(): between an outer round's landing and the next launch only")
+        return [[view.clone() for view in group.gathered_views()] for group in self._groups]
+
+    @property
+    def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        return []  # the base optimizer runs whole on the live parameters: the inner ones
+
+    @property
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.inner.optimizers)
+
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        return list(self.shard_optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clock, this replica's parameters and inner optimizers' state, and the
+        parameters the round in flight was handed (per parameter, so any layout loads them)."""
+        handed = self.clock.handed_over
+        if handed is not None:
+            handed = [per_param(g.plan, h) for g, h in zip(self._groups, handed)]
+        # Each replica's own parameters: they differ between outer rounds, and the model's
+        # checkpoint is often rank 0's only (acco.checkpoint, consolidate_state_dict).
+        live = [[p.detach().clone() for p in group.locals()] for group in self._groups]
+        return {**self.clock.state_dict(), "handed_over": handed, "inner": self.inner.state_dicts(), "live": live}
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        self.clock.load_state_dict(saved)
+        if saved["handed_over"] is not None:
+            self.clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
+                                      for g, values in zip(self._groups, saved["handed_over"])]  # fmt: skip
+        self.inner.load_state_dicts(saved["inner"])
+        with torch.no_grad():
+            for group, values in zip(self._groups, saved["live"]):
+                torch._foreach_copy_([p.detach() for p in group.locals()], [v.to(group.device) for v in values])
+
+    def buffer_bytes(self) -> list[dict[str, int]]:
+        """Adds ``handed_over`` (the parameters the round in flight was handed, with
+        ``overlap="keep"``); ``master`` is the snapshot's shard."""
+        sizes = super().buffer_bytes()
+        handed = self.clock.handed_over
+        for number, entry in enumerate(sizes):
+            entry["handed_over"] = 0 if handed is None else handed[number].nbytes
+        return sizes
+
+
+@dataclass(kw_only=True)
+class OuterRound(LaneRound):
+    """An outer round: this replica's parameters in, the new global values out.
+
+    Attributes:
+        params: per param group, this replica's parameters, flat in the round's buffer (the
+            reduce-scatter input; the all-gather writes the new global values there).
+    """
+
+    params: list[Tensor]
+
+
+class OuterRunner(LaneWork):
+    """Runs outer rounds on the comm lane: the replicas' parameters reduce-scattered, their
+    mean subtracted from the snapshot's shard (the mean pseudo-gradient), the outer
+    optimizer's step on that shard, the new global values all-gathered. No clipping (the
+    inner steps clip their own) and no weights: every replica counts once.
+
+    Args:
+        groups: each param group's buffers.
+        outer_optimizers: each group's outer optimizer on the snapshot's shard (or None).
+        snapshot: each group's snapshot shard.
+        *args, **kwargs: the rest of :class:`~acco.runner.LaneWork`'s.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[ShardedGroup],
+        outer_optimizers: Sequence[torch.optim.Optimizer | None],
+        snapshot: Sequence[Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(groups, *args, **kwargs)
+        self._outer = list(outer_optimizers)
+        self._snapshot = list(snapshot)
+        # Each replica group's ranks hand over the same parameters' pieces once: a replica
+        # counts once in the mean.
+        self._replicas = self._mesh_comm.world_size // self._replica_size
+
+    def run(self, round_: OuterRound) -> RoundStats:
+        """One outer round.
+
+        Raises:
+            CommLaneError: naming the round and the phase it failed in (NaN or inf in some
+                replica's parameters with ``nonfinite="raise"`` among them).
+        """
+        stats, record = round_.stats, self._recorder
+        record.lane_start(stats)
+        stats.update_weight = float(self._replicas)
+        try:
+            with record.phase(stats, "totals"):
+                nonfinite = self._count_nonfinite(round_.params)
+            if nonfinite:
+                if self._options.nonfinite is NonFinite.RAISE:
+                    raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
+                return self._skip(round_)
+            with record.phase(stats, "reduce-scatter"):
+                for group, params, snapshot in zip(self._groups, round_.params, self._snapshot):
+                    self._comm.reduce_scatter_sum(group.grad_shard, params)
+                    pseudo_grad = group.master_grad  # the snapshot minus the replicas' mean
+                    torch.div(group.grad_shard, float(self._replicas), out=pseudo_grad)
+                    torch.sub(snapshot, pseudo_grad, out=pseudo_grad)
+            with record.phase(stats, "update"):
+                for group, outer, snapshot in zip(self._groups, self._outer, self._snapshot):
+                    if outer is not None:
+                        for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
+                            param.grad = grad
+                        outer.step()
+                    group.gather_input.copy_(snapshot)
+            self._all_gather(stats)
+            stats.collective_bytes = sum(p.nbytes for p in round_.params) + sum(g.gathered.nbytes for g in self._groups)
+            self._synchronise_buffers(round_)
+        except Exception as error:
+            raise self._failed(round_, error) from error
+        record.lane_end(stats)
+        return stats
+
+    def _count_nonfinite(self, params: Sequence[Tensor]) -> int:
+        """How many ranks hand over NaN or inf (0 on every rank when none does)."""
+        flag = self._nonfinite_flag(params).reshape(1)
+        self._mesh_comm.all_reduce_sum_(flag)
+        if not self._device_hooks.host_copy(flag)(self._options.timeout.total_seconds()).item():
+            return 0
+        return self._confirm_nonfinite(params)
 
 
 class InnerSteps:

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover
 
 from acco.collectives import Collectives
 
-__all__ = ["InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor"]
+__all__ = ["InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor", "placeholder_state"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -209,3 +209,10 @@ class InnerMesh:
 
     def mesh_param(self, param: Tensor) -> MeshParam | None:
         return self.params.get(id(param))
+
+
+def placeholder_state(param_groups: Sequence[dict[str, Any]]) -> dict[Tensor, dict[str, str]]:
+    """An entry per parameter for ``Optimizer.state``: torch's ``get_optimizer_state_dict``
+    steps an optimizer whose ``state`` is empty to create it, and acco's state lives in its
+    shards (the portable state dict carries it)."""
+    return {param: {"sharded_by": "acco"} for group in param_groups for param in group["params"]}

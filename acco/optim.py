@@ -27,30 +27,28 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from acco.amp import inverse_scale
-from acco.startup import build_groups, start_identical
 from acco.collectives import Collectives
-from acco.folding import GradFolder, WeightSum, checked_weight
-from acco.local import InnerSteps, LocalClock
-from acco.mesh import InnerMesh
-from acco.portable import from_portable, full, is_portable, per_param, rank_round, round_sums, to_portable
-from acco.streams import ThreadLane, make_lane
-from acco.module_buffers import BufferPolicy, BufferSnapshot, buffer_sync_for
-from acco.sharding import Layout, ShardPlan
+from acco.folding import GradFolder, checked_weight
+from acco.local import LocalLoop
+from acco.loops import Loop, LoopParts, UpdateCounts, loop_classes
+from acco.mesh import InnerMesh, placeholder_state
+from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
     DEFAULT_TIMEOUT,
     Mode,
     NonFinite,
     Options,
     RoundKind,
-    base_hyperparams,
-    build_base_optimizer,
     check_estimate_dtypes,
     probe_defaults,
     resolve_groups,
 )
-from acco.rounds import CommLaneError, Round, RoundSchedule
-from acco.runner import RoundRunner
+from acco.portable import from_portable, is_portable, pending_to_rank_zero, to_portable
+from acco.rounds import CommLaneError, LaneRound, RoundSchedule
+from acco.sharding import Layout, ShardedGroup, ShardPlan
+from acco.startup import build_groups, open_groups, start_identical
 from acco.state import build_state_dict, check_state_dict, restore_groups
+from acco.streams import ThreadLane, make_lane
 from acco.telemetry import RoundStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -61,6 +59,9 @@ __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "
 # The longest the exit hook waits for the last round of an optimizer never finished (at
 # most its timeout): it normally lands at once (every rank's lane runs it); a dead peer fails it sooner.
 EXIT_WAIT_SECONDS = 60.0
+
+# Each mode's loop, by the mode it declares: the one place a mode is chosen (STYLE rule 12).
+LOOPS: dict[Mode, type[Loop]] = loop_classes([LocalLoop])
 
 
 class _Started:
@@ -197,7 +198,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         process_group: ProcessGroup | None = None,
-        mode: Mode | str = Mode.ACCO,
+        mode: Mode | str = "acco",
         layout: Layout | str | None = None,
         max_grad_norm: float | None = None,
         param_dtype: torch.dtype | None = None,
@@ -220,8 +221,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
         )  # fmt: skip
-        local = options.local
-        groups = resolve_groups(params, optimizer_class, options.layout, local and local.outer_class)
+        loop_class = LOOPS[options.mode]
+        groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)
         check_estimate_dtypes(estimate_dtype, options, groups)
         self.options, self.optimizer_class = options, optimizer_class
@@ -239,51 +240,52 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._sealed = True
         self._mesh = inner.active
         self.replica_size = inner.replica_size  # ranks of a replica group (FSDP2 / TP inside), 1 if flat
-        self._groups = build_groups(self.param_groups, options, self.rank, self.world_size, inner if self._mesh else None)
-        if self._mesh:
-            # torch's get_optimizer_state_dict steps an optimizer whose `state` is empty to
-            # create it; acco's state lives in its shards, so each parameter gets an entry.
-            for group in self.param_groups:
-                for param in group["params"]:
-                    self.state[param] = {"sharded_by": "acco"}
-        if local is None:
-            self._base = [build_base_optimizer(g, s.master_views, optimizer_class, defaults) for g, s in zip(self.param_groups, self._groups)]
-        else:  # the sharded optimizer is the outer one, on the snapshot's shard
-            self._base = [local.outer_optimizer([{"params": s.master_views}]) if s.master_views else None for s in self._groups]
-        # mode="local": the inner optimizers on the live parameters, and when outer rounds run.
-        self._inner = None if local is None else InnerSteps(self.param_groups, self._groups, optimizer_class, defaults)
-        self._clock = None if local is None else LocalClock(local)
+        self._groups = build_groups(
+            self.param_groups, options, self.rank, self.world_size, inner if self._mesh else None,
+            double_buffered=loop_class.double_buffered, master_in_params=loop_class.master_in_params,
+        )  # fmt: skip
+        if self._mesh:  # DCP's get_optimizer_state_dict needs an entry per parameter
+            self.state.update(placeholder_state(self.param_groups))
         self._buffer_sync = buffer_sync_for(module, options.buffer_policy, self.rank, self.world_size)
         # Collectives from here on, on the user's group, before the lane exists.
         names = [g["optimizer_class"].__qualname__ for g in self.param_groups]
         start_identical(self._groups, self._comm, options, names, self._buffer_sync)
-        self._lane_comm = self._comm.new_lane_group(timeout)  # the comm lane's own group
-        mesh_comm = None  # with DTensor parameters: the lane's group over the whole mesh
-        if inner.active:
-            inner.gather_ranks(self._comm)
-            if inner.ranks != sorted(self._comm.group_ranks()):
-                mesh_comm = self._comm.new_group(inner.ranks, timeout)
-        # ready() on a mesh: a replica group's ranks must agree (FSDP2 reduce-scatters in
-        # every backward, so they must run the same number of micro-batches).
-        self._replica_comm = self._comm.new_group(inner.replica_ranks, timeout) if inner.replica_size > 1 else None
+        made = open_groups(self._comm, inner, timeout)
+        self._lane_comm, self._replica_comm = made.lane, made.replica
         self._lane = make_lane(self._groups[0].device)
-        owned = [comm for comm in (self._lane_comm, mesh_comm, self._replica_comm) if comm is not None]
-        self._started = _Started(self._lane, owned, self._comm, min(options.wait_seconds, EXIT_WAIT_SECONDS))
+        self._started = _Started(self._lane, made.owned(), self._comm, min(options.wait_seconds, EXIT_WAIT_SECONDS))
         # Collected unfinished: the lane's thread stops (the exit hook gives the groups back).
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._started.close, self._groups)
         self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._runner = RoundRunner(
-            self._groups, self._base, self._lane_comm, self._lane.device_hooks, self._recorder, options,
-            self._buffer_sync, mesh_collectives=mesh_comm, replica_size=inner.replica_size,
-        )  # fmt: skip
-        self._schedule = RoundSchedule(self.mode, self._recorder, options.wait_seconds)
+        self._schedule = RoundSchedule(loop_class.round_kinds, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
+        self._counts = UpdateCounts()
+        # The mode's loop: what step(), ready(), finish() and its state mean (acco.loops).
+        self._loop: Loop = loop_class(LoopParts(
+            self.param_groups, self._groups, self._schedule, self._folder, self._counts, self._lane,
+            self._lane_comm, self._recorder, options, self._buffer_sync, made.mesh, inner.replica_size,
+            optimizer_class, defaults, self._check_usable,
+        ))  # fmt: skip
         self._closed = False
-        self._eval_at: int | None = None  # rounds launched when eval() set the live parameters aside
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict()'s, on its rank
         self._warned_zero_grad = False
-        self.num_updates, self.skipped_updates, self.committed_weight = 0, 0, 0.0
+
+    @property
+    def num_updates(self) -> int:
+        """Updates applied on this rank: committed rounds (``mode="local"``: inner updates)."""
+        return self._counts.num_updates
+
+    @property
+    def skipped_updates(self) -> int:
+        """Updates skipped for NaN/inf with ``nonfinite="skip"``."""
+        return self._counts.skipped_updates
+
+    @property
+    def committed_weight(self) -> float:
+        """The weights of the micro-batches the applied updates covered (over all ranks;
+        ``mode="local"``: this replica's)."""
+        return self._counts.committed_weight
 
     def accumulate(self, weight: float | Tensor | None = None) -> None:
         """End a micro-batch: fold its gradients into this round's accumulator.
@@ -369,9 +371,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         the whole group, through one small all-reduce over it on the training thread:
         those ranks must run the same number of micro-batches.
         """
-        done = self._schedule.in_flight is None or self._schedule.in_flight.future.done()
-        if self._clock is not None:  # mode="local": step() waits only when the round lands
-            done = done or not self._clock.lands_after(self._clock.inner_steps + 1)
+        done = self._loop.ready()
         if self._replica_comm is None:
             return done
         waiting = torch.tensor([0.0 if done else 1.0], device=self._groups[0].device)
@@ -401,86 +401,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._folder.check_all_accumulated("step()")
         if self._schedule.launched == 0 and self._schedule.current.micro_batches == 0:
             raise RuntimeError("step() before any accumulate() in the first round: there is nothing to apply")
-        inv_scale = inverse_scale(self, self.mode, self._folder.grads_in_views)  # scaler.step(opt)
-        if self._clock is not None:
-            with record_function("acco.step"):
-                return self._local_step()
+        inv_scale = inverse_scale(self, self._loop.grad_scaler_refusal, self._folder.grads_in_views)  # scaler.step(opt)
         with record_function("acco.step"):
-            committed = self._land_in_flight()
-            self._launch(inv_scale)
-            if self.mode is Mode.SYNC:
-                committed = self._land_in_flight()
-        return committed
-
-    def _local_step(self) -> bool:
-        """``mode="local"``: this replica's inner update, then the outer round in flight lands
-        (``sync_delay`` steps after its launch) and the next one starts (every ``sync_every``)."""
-        clock, weights = self._clock, self._schedule.take_weights()
-        try:
-            with self._folder.views_released():
-                updated, skipped = self._inner.step(weights, self.max_grad_norm, self.nonfinite, clock.inner_steps)
-        except BaseException:
-            self._schedule.pending, self._schedule.current = weights, weights.copy()
-            raise
-        self.num_updates += int(updated)
-        self.skipped_updates += int(skipped)
-        self.committed_weight += weights.total() if updated else 0.0
-        clock.inner_steps += 1
-        clock.unsynced = True
-        if clock.lands_now():
-            self._land_outer()
-        if clock.launches_now():
-            self._launch_outer()
-            if clock.options.sync_delay == 0:
-                self._land_outer()
-        return updated
-
-    def _launch_outer(self) -> None:
-        """Hand the live parameters to an outer round on the comm lane (``mode="local"``)."""
-        clock = self._clock
-        handed = [group.hand_over_params() for group in self._groups]
-        if clock.keeps_progress:
-            if clock.handed_over is None:
-                clock.handed_over = [torch.empty_like(h) for h in handed]
-            torch._foreach_copy_(clock.handed_over, handed)
-        snapshot = None if self._buffer_sync is None else self._buffer_sync.snapshot()
-        submit = lambda round_: self._lane.submit(lambda: self._runner.run(round_))  # noqa: E731
-        # Each replica counts once: the round averages the replicas' parameters.
-        self._schedule.launch(handed, [{} for _ in self._groups], snapshot, submit, weight=WeightSum(1.0, None, 1))
-        clock.launched_at = clock.inner_steps
-        clock.global_in_buffer = False
-
-    def _land_outer(self, discard: bool = False) -> None:
-        """Wait for the outer round in flight and give the replica the new global values, the
-        progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
-        clock, round_ = self._clock, self._schedule.take_in_flight()
-        stats = self._schedule.wait(round_)
-        # (No inner step since the launch: the new global values themselves, bit for bit.)
-        keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
-        with record_function("acco.load_params"):
-            for number, group in enumerate(self._groups):
-                if keep:
-                    group.add_params_from_buffer(clock.handed_over[number])
-                else:
-                    group.load_params_from_buffer()
-            if round_.buffer_snapshot is not None:
-                self._buffer_sync.land(round_.buffer_snapshot)
-        clock.unsynced = keep
-        clock.launched_at = None
-        clock.global_in_buffer = True
-        clock.outer_rounds += 1
-        clock.skipped_outer_rounds += int(stats.skipped)
+            return self._loop.step(inv_scale)
 
     @property
     def outer_rounds(self) -> int:
         """``mode="local"``: outer rounds landed so far (0 in other modes)."""
-        return 0 if self._clock is None else self._clock.outer_rounds
+        return self._loop.outer_rounds
 
     @property
     def skipped_outer_rounds(self) -> int:
         """``mode="local"``: landed outer rounds that changed nothing (NaN/inf in some replica's
         parameters with ``nonfinite="skip"``)."""
-        return 0 if self._clock is None else self._clock.skipped_outer_rounds
+        return self._loop.skipped_outer_rounds
 
     def global_parameters(self) -> list[list[Tensor]]:
         """``mode="local"``: copies of the global values the last outer round landed, per param
@@ -490,23 +424,25 @@ class AccoOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: another mode, no round landed yet, or one started since the last landed.
         """
-        if self._clock is None or not self._clock.global_in_buffer:
-            raise RuntimeError("global_parameters(): mode='local' only, between an outer round's landing and the next launch")
-        return [[view.clone() for view in group.gathered_views()] for group in self._groups]
+        return self._loop.global_parameters()
 
     @property
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """``mode="local"``: each param group's inner optimizer, on the live parameters."""
-        return [] if self._inner is None else list(self._inner.optimizers)
+        return self._loop.inner_optimizers
+
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        """``mode="local"``: each param group's outer optimizer, on this rank's shard of the
+        global values (None: owns nothing of the group; empty in other modes)."""
+        return self._loop.outer_optimizers
 
     def finish(self) -> bool:
-        """Drain the comm lane and leave the model at the last committed parameters.
-
-        A commit round in flight is landed; an estimate round in flight is dropped (the model
-        holds the committed parameters it started from), as are gradients accumulated since
-        the last hand-over. ``mode="local"``: the outer round in flight lands, and one more
-        outer round (blocking) carries the inner steps since, so every replica ends with the
-        same, global parameters. Idempotent; the optimizer cannot be used afterwards.
+        """Drain the comm lane and leave the model at the last committed parameters (the
+        loop's ``finish()``: a commit round in flight lands, an estimate round is dropped;
+        ``mode="local"`` ends every replica at the same, global parameters). Gradients
+        accumulated since the last hand-over are dropped. Idempotent; the optimizer cannot be
+        used afterwards.
 
         Returns:
             True when landing the last round committed an update.
@@ -520,23 +456,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._check_usable("finish")
         landed = False
         try:
-            round_ = self._schedule.in_flight
-            if self._clock is not None:  # the round in flight lands, then one over what is left
-                committed = round_ is not None
-                if round_ is not None:
-                    self._land_outer()
-                if self._clock.unsynced:
-                    self._launch_outer()
-                    self._land_outer(discard=True)
-                    committed = True
-            elif round_ is not None and round_.kind is RoundKind.ESTIMATE:
-                self._schedule.take_in_flight()
-                self._schedule.wait(round_)
-                committed = False
-            else:
-                committed = self._land_in_flight()
-            if self._buffer_sync is not None:  # once more, without delay: identical from here on
-                self._buffer_sync.land(self._final_buffer_sync(), exact=True)
+            committed = self._loop.finish()
+            self._loop.synchronise_buffers_now()
             self._recorder.resolve(block=True)
             landed = True
             return committed
@@ -557,7 +478,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
         # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
-        keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._base)
+        keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._loop.shard_optimizers)
         if collective:
             self._started.finish(self.options.wait_seconds, keep)
         else:
@@ -598,14 +519,32 @@ class AccoOptimizer(torch.optim.Optimizer):
         return self._comm
 
     @property
+    def lane_collectives(self) -> Collectives:
+        """Test hook (docs/design.md, "Test hooks"): the comm lane's own collectives."""
+        return self._lane_comm
+
+    @property
+    def sharded_groups(self) -> list[ShardedGroup]:
+        """Test hook (docs/design.md, "Test hooks"): each param group's buffers, to read."""
+        return list(self._groups)
+
+    @property
+    def accumulated(self) -> tuple[int, float]:
+        """The micro-batches accumulated on this rank since the last ``step()`` and their
+        total weight (a CUDA weight is read on the host: a synchronisation)."""
+        return self._schedule.current.micro_batches, self._schedule.current.total()
+
+    @property
     def shard_plans(self) -> list[ShardPlan]:
         """Where each param group's parameters sit in its flat buffer, and who owns what."""
         return [group.plan for group in self._groups]
 
     @property
     def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
-        """The base optimizer of each param group on this rank's shard (None: owns nothing)."""
-        return list(self._base)
+        """The base optimizer of each param group on this rank's shard (None: owns nothing;
+        empty in ``mode="local"``, whose base optimizer runs whole on the live parameters:
+        :attr:`inner_optimizers`)."""
+        return self._loop.base_optimizers
 
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Bytes of each buffer acco holds now, per param group (see docs/design.md,
@@ -613,12 +552,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         ``master``, ``master_grad``, ``estimate_copy``; a view of another buffer counts 0.
         ``mode="local"`` adds ``handed_over`` (the parameters the round in flight was handed,
         with ``overlap="keep"``); ``master`` is the snapshot's shard there."""
-        sizes = [group.buffer_bytes() for group in self._groups]
-        if self._clock is not None:
-            for number, entry in enumerate(sizes):
-                handed = self._clock.handed_over
-                entry["handed_over"] = 0 if handed is None else handed[number].nbytes
-        return sizes
+        return self._loop.buffer_bytes()
 
     @property
     def round_stats(self) -> collections.deque[RoundStats]:
@@ -627,79 +561,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         return self._recorder.history
 
     def eval(self) -> None:
-        """Load the committed parameters into the model, to evaluate or save it.
+        """Load the committed parameters into the model, to evaluate or save it (the
+        schedule-free convention that ``transformers.Trainer`` and accelerate follow).
 
-        The schedule-free convention that ``transformers.Trainer`` and accelerate follow.
-        Afterwards the model holds the parameters :meth:`finish` would leave (``num_updates +
-        (in_flight is RoundKind.COMMIT)`` updates): a commit round in flight is waited for
-        (not collective), its result loaded, and the live parameters (the acco estimate, or
-        dpu's) set aside until :meth:`train` (one copy of the parameters meanwhile).
-
-        Call :meth:`train` before the next forward pass, and before :func:`acco.checkpoint.save`
-        with a model for an exact resume. Raises ``CommLaneError``/``TimeoutError`` as ``step()``.
+        Afterwards the model holds the parameters :meth:`finish` would leave: a commit round in
+        flight is waited for (not collective) and loaded, the live parameters set aside until
+        :meth:`train` (:meth:`acco.loops.UpdateLoop.eval`). Call :meth:`train` before the next
+        forward pass. Raises ``CommLaneError``/``TimeoutError`` as ``step()``.
         """
-        if self._eval_at == self._schedule.launched:
-            return  # holds the committed parameters already
-        self.train()  # drops a copy set aside before a step(): the model has moved on since
-        round_ = self._schedule.in_flight
-        if round_ is None or round_.kind is not RoundKind.COMMIT:
-            return
-        self._check_usable("eval")
-        self._schedule.wait(round_)  # its result still lands at the next step() or finish()
-        self._eval_at = self._schedule.launched
-        with record_function("acco.load_params"):
-            for group in self._groups:
-                group.set_live_aside()
-                group.load_params_from_buffer()
+        self._loop.eval()
 
     def train(self) -> None:
         """Put back the live parameters that :meth:`eval` set aside (no-op otherwise, or when
         ``step()`` or ``finish()`` has loaded newer parameters since)."""
-        restore = self._eval_at == self._schedule.launched and not self._closed
-        self._eval_at = None
-        for group in self._groups:
-            group.take_live_back(restore)
-
-    def _launch(self, inv_scale: Tensor | None = None) -> None:
-        """Hand this round's gradients over and start the next round on the comm lane
-        (``inv_scale``: a GradScaler's, :mod:`acco.amp`)."""
-        keep_accumulating = self._schedule.next_kind is RoundKind.ESTIMATE
-        with self._folder.views_released():
-            grads = [group.hand_over(keep_accumulating) for group in self._groups]
-        # The hyper-parameters in param_groups now: a commit round is handed over after the
-        # scheduler has stepped for the previous update, so committed updates follow the
-        # schedule exactly as in sync mode.
-        hyperparams = [base_hyperparams(g) for g in self.param_groups]
-        snapshot = None if self._buffer_sync is None else self._buffer_sync.snapshot()
-        submit = lambda round_: self._lane.submit(lambda: self._runner.run(round_))  # noqa: E731
-        self._schedule.launch(grads, hyperparams, snapshot, submit, inv_scale)
-
-    def _land_in_flight(self) -> bool:
-        """Wait for the round in flight and load its result into the model."""
-        round_ = self._schedule.take_in_flight()
-        if round_ is None:
-            return False
-        stats = self._schedule.wait(round_)
-        with record_function("acco.load_params"):
-            for group in self._groups:
-                group.load_params_from_buffer()
-            if round_.buffer_snapshot is not None:
-                self._buffer_sync.land(round_.buffer_snapshot)
-        if round_.kind is RoundKind.COMMIT and stats.skipped:
-            self.skipped_updates += 1
-            return False
-        if round_.kind is RoundKind.COMMIT:
-            self.num_updates += 1
-            self.committed_weight += stats.update_weight
-            return True
-        return False
-
-    def _final_buffer_sync(self) -> BufferSnapshot:
-        """The module buffers synchronised on the comm lane now (``finish()``)."""
-        try:
-            return self._lane.run(functools.partial(self._buffer_sync.synchronised, self._lane_comm), self.options.wait_seconds)
-        except Exception as error:
-            raise CommLaneError(f"the final module-buffer synchronisation failed on the comm lane: {error}") from error
+        self._loop.train(restore=not self._closed)
 
     def _check_call(self, call: str) -> None:
         """The checks every compute-lane call starts with (before any collective)."""
@@ -729,10 +604,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         if not self._mesh:
             return self._own_state_dict()
         # DTensor parameters: the portable form, which DCP reshards to any mesh. Collective.
-        self._wait_in_flight()  # the lane no longer reads what is moved next
-        self._pending_to_rank_zero()
-        saved = self._comm.all_gather_objects(self._own_state_dict())
-        return to_portable(saved, [g["params"] for g in self.param_groups], self.replica_size)
+        return to_portable(self._every_rank_state(None), [g["params"] for g in self.param_groups], self.replica_size)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
@@ -769,9 +641,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             )
         self._check_usable("consolidate_state_dict")
         self._folder.check_all_accumulated("consolidate_state_dict()")
-        self._wait_in_flight()  # the lane no longer reads what is moved next
-        self._pending_to_rank_zero()
-        saved = self._comm.gather_objects(self._own_state_dict(), dst=to)
+        saved = self._every_rank_state(to)
         if saved is not None:
             self._consolidated = to_portable(saved, [g["params"] for g in self.param_groups])
 
@@ -779,38 +649,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         """This rank's own state dict, once the round in flight has finished."""
         round_ = self._wait_in_flight()
         return build_state_dict(
-            self.param_groups, self._groups, self._base, options=self.options, rank=self.rank,
+            self.param_groups, self._groups, self._loop.shard_optimizers, options=self.options, rank=self.rank,
             world_size=self.world_size, round_state=self._schedule.state_dict(),
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
-                    "committed_weight": self.committed_weight, "local": self._local_state()},
+                    "committed_weight": self.committed_weight, "local": self._loop.state_dict()},
             buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
         )  # fmt: skip
 
-    def _local_state(self) -> dict[str, Any] | None:
-        """``mode="local"``: the clock, this replica's parameters and inner optimizers' state,
-        and the parameters the round in flight was handed (per parameter, so any layout loads
-        them)."""
-        if self._clock is None:
-            return None
-        handed = self._clock.handed_over
-        if handed is not None:
-            handed = [per_param(g.plan, h) for g, h in zip(self._groups, handed)]
-        # Each replica's own parameters: they differ between outer rounds, and the model's
-        # checkpoint is often rank 0's only (acco.checkpoint, consolidate_state_dict).
-        live = [[p.detach().clone() for p in group.locals()] for group in self._groups]
-        return {**self._clock.state_dict(), "handed_over": handed, "inner": self._inner.state_dicts(), "live": live}
-
-    def _load_local_state(self, saved: dict[str, Any]) -> None:
-        self._clock.load_state_dict(saved)
-        if saved["handed_over"] is not None:
-            self._clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
-                                       for g, values in zip(self._groups, saved["handed_over"])]
-        self._inner.load_state_dicts(saved["inner"])
-        with torch.no_grad():
-            for group, values in zip(self._groups, saved["live"]):
-                torch._foreach_copy_([p.detach() for p in group.locals()], [v.to(group.device) for v in values])
-
-    def _wait_in_flight(self) -> Round | None:
+    def _wait_in_flight(self) -> LaneRound | None:
         """The round in flight, once the comm lane has finished it (it still lands at the
         next ``step()``)."""
         round_ = self._schedule.in_flight
@@ -818,16 +664,14 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._schedule.wait(round_)
         return round_
 
-    def _pending_to_rank_zero(self) -> None:
-        """Hold the pending gradients and weights as a load of the portable state would:
-        their sums on rank 0, nothing elsewhere, so a run that saved and a run that loaded
-        continue bit for bit alike. Collective (a reduce of the accumulators)."""
-        for group in self._groups:
-            self._comm.reduce_sum_(group.grad_accumulator, dst=0)
-            if self.rank != 0:
-                group.grad_accumulator.zero_()
-        rounds = self._comm.all_gather_objects(self._schedule.state_dict())
-        self._schedule.load_state_dict(rank_round(round_sums(rounds), self.rank))
+    def _every_rank_state(self, dst: int | None) -> list[dict[str, Any]] | None:
+        """Every rank's own state dict, on rank ``dst`` (None: on every rank), the pending
+        gradients held first as a load of the portable state holds them (their sums on rank
+        0), so a run that saved and a run that loaded continue bit for bit alike. Collective."""
+        self._wait_in_flight()  # the lane no longer reads what is moved next
+        pending_to_rank_zero(self._groups, self._schedule, self._comm)
+        own = self._own_state_dict()
+        return self._comm.all_gather_objects(own) if dst is None else self._comm.gather_objects(own, dst=dst)
 
     def check_state_dict(self, state_dict: Any) -> None:
         """``ValueError`` naming the first mismatch when ``state_dict`` does not fit this
@@ -865,12 +709,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         in_flight_kind = saved["round"]["in_flight_kind"]
         # On the lane, so the base optimizers' state is allocated on the stream that uses it.
         run_on_lane = functools.partial(self._lane.run, timeout=self.options.wait_seconds)
-        snapshot = restore_groups(state_dict, self.param_groups, self._groups, self._base, self._buffer_sync, run_on_lane)
-        self.num_updates, self.skipped_updates = int(saved["num_updates"]), int(saved.get("skipped_updates", 0))
-        self.committed_weight = float(saved["committed_weight"])
-        if self._clock is not None:
-            self._load_local_state(saved["local"])
+        snapshot = restore_groups(state_dict, self.param_groups, self._groups, self._loop.shard_optimizers,
+                                  self._buffer_sync, run_on_lane)  # fmt: skip
+        self._counts.num_updates = int(saved["num_updates"])
+        self._counts.skipped_updates = int(saved.get("skipped_updates", 0))
+        self._counts.committed_weight = float(saved["committed_weight"])
+        self._loop.load_state_dict(saved.get("local"))
         self._schedule.load_state_dict(saved["round"])
         if in_flight_kind is not None:  # the saved round in flight again: only its all-gather runs
-            submit = lambda round_: self._lane.submit(lambda: self._runner.replay(round_))  # noqa: E731
-            self._schedule.replay(RoundKind(in_flight_kind), snapshot, submit)
+            self._loop.replay(RoundKind(in_flight_kind), snapshot)

@@ -217,6 +217,12 @@ class Options:
             local=local,
         )
 
+    def fingerprint(self) -> str:
+        """What every rank must have chosen alike, as text (checked at start-up)."""
+        local = self.local and (self.local.sync_every, self.local.sync_delay, self.local.overlap.value,
+                                self.local.outer_class.__name__)  # fmt: skip
+        return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])
+
     @property
     def wait_seconds(self) -> float:
         """How long the compute lane waits for a round. The lane's own collectives time out

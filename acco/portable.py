@@ -26,11 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_layout
+from acco.collectives import Collectives
 from acco.mesh import dtensor_like, is_dtensor, local_tensor
+from acco.rounds import RoundSchedule
+from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.state import STATE_VERSION
 
-__all__ = ["CanonicalGroup", "canonical", "from_portable", "is_portable", "per_element", "rank_group_state", "to_portable"]
+__all__ = ["CanonicalGroup", "canonical", "from_portable", "is_portable", "pending_to_rank_zero", "per_element",
+           "rank_group_state", "to_portable"]
 
 # Per-parameter entries acco adds beside the base optimizer's own state.
 MASTER, PENDING, IN_FLIGHT = "acco_master", "acco_pending_grad", "acco_in_flight_result"
@@ -103,6 +106,17 @@ def rank_group_state(
         if rank == 0
         else torch.zeros(plan.padded_numel, dtype=dtypes["grad_accumulator"]),
     }
+
+
+def pending_to_rank_zero(groups: Sequence[ShardedGroup], schedule: RoundSchedule, comm: Collectives) -> None:
+    """Hold the pending gradients and weights as a load of the portable state would: their
+    sums on rank 0, nothing elsewhere. Collective (a reduce of the accumulators)."""
+    for group in groups:
+        comm.reduce_sum_(group.grad_accumulator, dst=0)
+        if comm.rank != 0:
+            group.grad_accumulator.zero_()
+    rounds = comm.all_gather_objects(schedule.state_dict())
+    schedule.load_state_dict(rank_round(round_sums(rounds), comm.rank))
 
 
 def rank_round(round_: dict[str, Any], rank: int) -> dict[str, Any]:

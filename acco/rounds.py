@@ -1,10 +1,12 @@
 """Rounds: what a round is, and the schedule that says which kind comes next.
 
 A round is the time between two ``step()`` calls (docs/design.md, "Rounds and their state
-machine"). In ``acco`` mode estimate and commit rounds alternate, starting with an
-estimate; in ``dpu`` and ``sync`` every round commits. The weights of the micro-batches
-folded since the last commit's hand-over are what the next update divides by; an estimate
-round's gradients stay in the accumulator for the commit round after it.
+machine"). Which kinds of round a mode launches, and in what order, is its loop's fact
+(:mod:`acco.loops`, :mod:`acco.local`): in ``acco`` mode estimate and commit rounds
+alternate, starting with an estimate; in ``dpu`` and ``sync`` every round commits; in
+``local`` every round is an outer round. The weights of the micro-batches folded since the
+last commit's hand-over are what the next update divides by; an estimate round's gradients
+stay in the accumulator for the commit round after it.
 """
 
 from __future__ import annotations
@@ -21,43 +23,53 @@ from torch import Tensor
 from acco.folding import WeightSum
 from acco.streams import LaneFuture
 from acco.module_buffers import BufferSnapshot
-from acco.options import Mode, RoundKind
+from acco.options import RoundKind
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["CommLaneError", "Round", "RoundSchedule"]
+__all__ = ["CommLaneError", "LaneRound", "Round", "RoundSchedule"]
 
 
 class CommLaneError(RuntimeError):
     """A round failed on the comm lane; raised at the next call on the compute lane."""
 
 
-@dataclass
-class Round:
-    """A round handed to the comm lane: its inputs, and its result once it lands.
+@dataclass(kw_only=True)
+class LaneRound:
+    """A round handed to the comm lane, whatever it carries: its kind, its telemetry, its
+    result once it lands.
 
     Attributes:
-        kind: estimate or commit.
+        kind: what the round does (:class:`~acco.options.RoundKind`).
+        stats: its telemetry.
+        buffer_snapshot: the module buffers the round synchronises (None: none kept).
+        future: the comm lane's result.
+        waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
+    """
+
+    kind: RoundKind
+    stats: RoundStats
+    buffer_snapshot: BufferSnapshot | None = None
+    future: LaneFuture[RoundStats] | None = None
+    waited: bool = False
+
+
+@dataclass(kw_only=True)
+class Round(LaneRound):
+    """A gradient round (estimate or commit): the gradients handed over and their weights.
+
+    Attributes:
         grads: per param group, the hand-over buffer the round reduces and gathers into.
         update_weight: the weights the update divides by (since the last commit's hand-over).
         round_weight: the weights of this round's own micro-batches.
         hyperparams: per param group, the hyper-parameters when the round was handed over.
-        stats: its telemetry.
-        future: the comm lane's result.
-        buffer_snapshot: the module buffers the round synchronises (None: none kept).
-        waited: the compute lane has already waited for it (e.g. ``state_dict()`` did).
         inv_scale: a GradScaler's inverse scale, which this rank's gradients are multiplied
             by before they are summed (:mod:`acco.amp`); None without a scaler.
     """
 
-    kind: RoundKind
     grads: list[Tensor]
     update_weight: WeightSum
     round_weight: WeightSum
     hyperparams: list[dict[str, Any]]
-    stats: RoundStats
-    future: LaneFuture[RoundStats] | None = None
-    buffer_snapshot: BufferSnapshot | None = None
-    waited: bool = False
     inv_scale: Tensor | None = None
 
 
@@ -67,20 +79,23 @@ class RoundSchedule:
     failure that ended the schedule (if any).
 
     Args:
-        mode: the optimizer's mode.
+        kinds: the kinds of round a loop launches, in the order they repeat (acco: estimate,
+            commit; dpu and sync: commit; local: outer): the loop's, not this class's, fact.
         recorder: told when the compute lane has waited for a round.
         wait_seconds: how long a wait for the comm lane may take.
     """
 
-    def __init__(self, mode: Mode, recorder: StatsRecorder, wait_seconds: float) -> None:
-        self.mode = mode
-        self.next_kind = {Mode.ACCO: RoundKind.ESTIMATE, Mode.LOCAL: RoundKind.OUTER}.get(mode, RoundKind.COMMIT)
+    def __init__(self, kinds: tuple[RoundKind, ...], recorder: StatsRecorder, wait_seconds: float) -> None:
+        if not kinds:
+            raise AssertionError("a loop launches at least one kind of round")
+        self.kinds = kinds
+        self.next_kind = kinds[0]
         self.launched = 0
         self.pending = WeightSum()  # since the last commit's hand-over: the next update's
         self.current = WeightSum()  # since the last hand-over: this round's
-        self.in_flight: Round | None = None
+        self.in_flight: LaneRound | None = None
         self.failure: BaseException | None = None
-        self.failed: Round | None = None  # a round that failed or timed out: close() keeps its tensors
+        self.failed: LaneRound | None = None  # a round that failed or timed out: close() keeps its tensors
         self._recorder = recorder
         self._wait_seconds = wait_seconds
 
@@ -89,37 +104,36 @@ class RoundSchedule:
         self.pending.add(weight)
         self.current.add(weight)
 
-    def launch(
-        self,
-        grads: list[Tensor],
-        hyperparams: list[dict[str, Any]],
-        buffer_snapshot: BufferSnapshot | None,
-        submit: Callable[[Round], LaneFuture[RoundStats]],
-        inv_scale: Tensor | None = None,
-        weight: WeightSum | None = None,
-    ) -> None:
-        """Put the next round, with the weights accumulated for it, in flight (``submit``
-        hands it to the comm lane); advances the schedule. ``weight``: what this rank brings
-        instead of its micro-batches' weights (an outer round: each replica counts once)."""
-        kind = self.next_kind
-        pending, current = (self.pending, self.current) if weight is None else (weight, weight)
-        stats = RoundStats(self.launched, kind, current.micro_batches, current.host)
-        round_ = Round(kind, grads, pending.copy(), current.copy(), hyperparams, stats, None, buffer_snapshot,
-                       inv_scale=inv_scale)
-        if kind is RoundKind.COMMIT:
+    def next_stats(self, micro_batches: int, weight: float) -> RoundStats:
+        """Fresh telemetry for the round the next :meth:`launch` puts in flight."""
+        return RoundStats(self.launched, self.next_kind, micro_batches, weight)
+
+    def hand_over_weights(self) -> tuple[WeightSum, WeightSum]:
+        """The weights a gradient round of ``next_kind`` divides by (those since the last
+        commit's hand-over) and its own (since the last hand-over); both start again from
+        zero as the round is handed over (the first only after a commit)."""
+        pending, current = self.pending.copy(), self.current.copy()
+        if self.next_kind is RoundKind.COMMIT:
             self.pending = WeightSum()
         self.current = WeightSum()
+        return pending, current
+
+    def launch(self, round_: LaneRound, submit: Callable[[LaneRound], LaneFuture[RoundStats]]) -> None:
+        """Put ``round_`` (of ``next_kind``) in flight (``submit`` hands it to the comm
+        lane); advances the schedule."""
+        if round_.kind is not self.next_kind:
+            raise AssertionError(f"launching a {round_.kind.value} round where a {self.next_kind.value} round is due")
         self.launched += 1
-        self.next_kind = self.following(kind)
+        self.next_kind = self.following(round_.kind)
         round_.future = submit(round_)
         self.in_flight = round_
 
-    def take_in_flight(self) -> Round | None:
+    def take_in_flight(self) -> LaneRound | None:
         """The round in flight, which is no longer in flight afterwards."""
         round_, self.in_flight = self.in_flight, None
         return round_
 
-    def wait(self, round_: Round) -> RoundStats:
+    def wait(self, round_: LaneRound) -> RoundStats:
         """The round's stats once the comm lane has finished it (at once if already waited
         for). A failure or a timeout is kept in ``failure`` and re-raised."""
         if round_.waited:
@@ -145,26 +159,29 @@ class RoundSchedule:
 
     def following(self, kind: RoundKind) -> RoundKind:
         """The kind of round after one of ``kind``."""
-        if self.mode is Mode.ACCO:
-            return RoundKind.COMMIT if kind is RoundKind.ESTIMATE else RoundKind.ESTIMATE
-        return RoundKind.OUTER if self.mode is Mode.LOCAL else RoundKind.COMMIT
+        return self.kinds[(self.kinds.index(kind) + 1) % len(self.kinds)]
 
-    def take_weights(self) -> WeightSum:
-        """The weights of the micro-batches since the last inner update (``mode="local"``),
-        which start again from zero."""
+    def take_round_weights(self) -> WeightSum:
+        """The weights of this round's micro-batches (since the last ``step()``), for a loop
+        that applies them on the training thread (``mode="local"``'s inner steps); every
+        sum starts again from zero."""
         weights, self.pending, self.current = self.current, WeightSum(), WeightSum()
         return weights
+
+    def put_back_round_weights(self, weights: WeightSum) -> None:
+        """Undo :meth:`take_round_weights` (the update failed before it applied anything)."""
+        self.pending, self.current = weights, weights.copy()
 
     def replay(
         self,
         kind: RoundKind,
         buffer_snapshot: BufferSnapshot | None,
-        submit: Callable[[Round], LaneFuture[RoundStats]],
+        submit: Callable[[LaneRound], LaneFuture[RoundStats]],
     ) -> None:
         """Put the last launched round, re-created from a checkpoint, in flight again: only
         its all-gather runs (``submit``)."""
         stats = RoundStats(self.launched - 1, kind, 0, 0.0, replayed=True)
-        round_ = Round(kind, [], WeightSum(), WeightSum(), [], stats, None, buffer_snapshot)
+        round_ = LaneRound(kind=kind, stats=stats, buffer_snapshot=buffer_snapshot)
         round_.future = submit(round_)
         self.in_flight = round_
 

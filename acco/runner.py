@@ -1,6 +1,9 @@
 """The comm lane's round body: totals, reduce-scatter, update, all-gather.
 
-:class:`RoundRunner` runs one :class:`~acco.rounds.Round` on the comm lane's thread
+:class:`LaneWork` is what every round body shares (the all-gather, the module buffers, the
+non-finite check, a replayed round); :class:`RoundRunner` runs one gradient
+:class:`~acco.rounds.Round` on it, on the comm lane's thread (an outer round of
+``mode="local"`` has its own body, :class:`acco.local.OuterRunner`)
 (docs/design.md, "A round on the comm lane"). It holds no reference to the optimizer: its
 collaborators (the groups' buffers, the base optimizers, the collectives, the device hooks,
 the stats recorder) are handed to it, so a test can drive it with fake collectives and no
@@ -11,6 +14,7 @@ block only the lane's thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,21 +23,21 @@ from acco.sharding import ShardedGroup
 from acco.collectives import Collectives
 from acco.streams import DeviceHooks
 from acco.module_buffers import BufferSync
-from acco.options import NonFinite, Options
-from acco.options import RoundKind
-from acco.rounds import CommLaneError, Round
+from acco.options import NonFinite, Options, RoundKind
+from acco.rounds import CommLaneError, LaneRound, Round
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["RoundRunner"]
+__all__ = ["LaneWork", "RoundRunner"]
 
 
-class RoundRunner:
-    """Runs rounds on the comm lane, one at a time, in launch order.
+class LaneWork:
+    """What every round body on the comm lane shares: its collaborators, the all-gather of
+    each rank's shard, the module buffers' synchronisation, the non-finite check, and the
+    replay of a round re-created from a checkpoint. :class:`RoundRunner` runs gradient
+    rounds on it; :class:`acco.local.OuterRunner` outer rounds.
 
     Args:
         groups: each param group's buffers.
-        base_optimizers: each group's base optimizer on this rank's shard (None: this rank
-            owns nothing of that group).
         collectives: the comm lane's own collectives (every rank calls them in round order).
         device_hooks: the lane's device hooks (stamps, small host copies).
         recorder: where the round's phases are stamped.
@@ -48,7 +52,6 @@ class RoundRunner:
     def __init__(
         self,
         groups: Sequence[ShardedGroup],
-        base_optimizers: Sequence[torch.optim.Optimizer | None],
         collectives: Collectives,
         device_hooks: DeviceHooks,
         recorder: StatsRecorder,
@@ -60,19 +63,89 @@ class RoundRunner:
         self._groups = list(groups)
         self._mesh_comm = collectives if mesh_collectives is None else mesh_collectives
         self._replica_size = replica_size
-        self._base = list(base_optimizers)
         self._comm = collectives
         self._device_hooks = device_hooks
         self._recorder = recorder
         self._options = options
         self._buffer_sync = buffer_sync
 
+    def replay(self, round_: LaneRound) -> RoundStats:
+        """A round re-created from a checkpoint: its saved result (already in each group's
+        ``gather_input``) is all-gathered again."""
+        self._recorder.lane_start(round_.stats)
+        self._all_gather(round_.stats)
+        self._recorder.lane_end(round_.stats)
+        return round_.stats
+
+    def _failed(self, round_: LaneRound, error: Exception) -> CommLaneError:
+        return CommLaneError(
+            f"{round_.kind.value} round {round_.stats.index} failed on the comm lane during {round_.stats.phase}: {error}"
+        )
+
+    def _skip(self, round_: LaneRound) -> RoundStats:
+        """End a round that saw NaN/inf with ``nonfinite="skip"``: its result is the master
+        shard, unchanged."""
+        round_.stats.skipped = True
+        self._all_gather(round_.stats, unchanged=True)
+        self._synchronise_buffers(round_)
+        self._recorder.lane_end(round_.stats)
+        return round_.stats
+
+    def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None, unchanged: bool = False) -> None:
+        """Every rank's ``gather_input`` into ``gathered``. With ``delta_from`` (the light
+        estimate round: the committed master shards, which every rank's live parameters
+        hold in full) only the delta from them travels, in ``estimate_dtype``; ``unchanged``
+        (a skipped round) sends the master shards themselves."""
+        with self._recorder.phase(stats, "all-gather"):
+            for number, group in enumerate(self._groups):
+                if unchanged:
+                    group.gather_input.copy_(group.prepare_master())
+                if delta_from is None:
+                    self._comm.all_gather(group.gathered, group.gather_input)
+                    continue
+                delta = group.gather_input.to(group.master_dtype, copy=True).sub_(delta_from[number])
+                group.gather_from_delta(*self._comm.all_gather_quantized(delta, self._options.estimate_dtype))
+
+    def _synchronise_buffers(self, round_: LaneRound) -> None:
+        if round_.buffer_snapshot is not None and self._buffer_sync is not None:
+            with self._recorder.phase(round_.stats, "buffers"):
+                self._buffer_sync.synchronise(round_.buffer_snapshot, self._comm)
+
+    def _nonfinite_flag(self, tensors: Sequence[Tensor]) -> Tensor:
+        """1.0 where some of ``tensors`` may hold NaN or inf, on the device, read nothing:
+        a sum is NaN or inf whenever an element is, and costs a thirtieth of an exact scan;
+        :meth:`_confirm_nonfinite` scans only when some rank's sum was not finite."""
+        sums = torch.stack([t.sum().double() for t in tensors])
+        return (~torch.isfinite(sums)).any().double()
+
+    def _confirm_nonfinite(self, tensors: Sequence[Tensor]) -> int:
+        """How many ranks really hold a NaN or inf (a sum may overflow on huge finite values).
+
+        Runs on every rank once the all-reduced flags say some rank's sum was not finite.
+        """
+        exact = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().double().reshape(1)
+        self._mesh_comm.all_reduce_sum_(exact)
+        return int(self._device_hooks.host_copy(exact)(self._options.timeout.total_seconds()).item())
+
+
+class RoundRunner(LaneWork):
+    """Runs gradient rounds (estimate, commit) on the comm lane, one at a time, in launch order.
+
+    Args:
+        groups: each param group's buffers.
+        base_optimizers: each group's base optimizer on this rank's shard (None: this rank
+            owns nothing of that group).
+        *args, **kwargs: the rest of :class:`LaneWork`'s.
+    """
+
+    def __init__(
+        self, groups: Sequence[ShardedGroup], base_optimizers: Sequence[torch.optim.Optimizer | None], *args: Any, **kwargs: Any
+    ) -> None:
+        super().__init__(groups, *args, **kwargs)
+        self._base = list(base_optimizers)
+
     def run(self, round_: Round) -> RoundStats:
         """One round: the totals' all-reduce, reduce-scatter, clip, update, all-gather.
-
-        An outer round (``mode="local"``, :mod:`acco.local`) hands over each replica's
-        parameters with weight 1: their mean, subtracted from the snapshot (the master shard),
-        is the pseudo-gradient the outer optimizer steps the snapshot with; no clipping.
 
         Raises:
             CommLaneError: naming the round and the phase it failed in.
@@ -87,14 +160,8 @@ class RoundRunner:
             with record.phase(stats, "totals"):
                 update_weight, nonfinite = self._totals(round_)
             if nonfinite:  # no update: the round's result is the committed shard, unchanged
-                stats.skipped = True
-                self._all_gather(stats, unchanged=True)
-                self._synchronise_buffers(round_)
-                record.lane_end(stats)
-                return stats
+                return self._skip(round_)
             light = round_.kind is RoundKind.ESTIMATE and self._options.estimate_dtype is not None
-            # An outer round (mode="local") reduces the replicas' parameters, not gradients.
-            outer = round_.kind is RoundKind.OUTER
             with record.phase(stats, "reduce-scatter"):
                 for group, grads in zip(self._groups, round_.grads):
                     if light:
@@ -102,9 +169,7 @@ class RoundRunner:
                     else:
                         self._comm.reduce_scatter_sum(group.grad_shard, grads)
                     torch.div(group.grad_shard, update_weight, out=group.master_grad)
-                    if outer:  # the mean pseudo-gradient: the snapshot minus the replicas' mean
-                        torch.sub(group.master, group.master_grad, out=group.master_grad)
-            if self._options.max_grad_norm is not None and not outer:  # the inner steps clip their own
+            if self._options.max_grad_norm is not None:
                 with record.phase(stats, "grad-norm"):
                     record.grad_norm(stats, self._device_hooks.host_copy(self._clip(self._options.max_grad_norm)))
             with record.phase(stats, "update"):
@@ -119,39 +184,9 @@ class RoundRunner:
                 stats.collective_bytes = sum(g.nbytes for g in round_.grads) + sum(g.gathered.nbytes for g in self._groups)
             self._synchronise_buffers(round_)
         except Exception as error:
-            raise CommLaneError(
-                f"{round_.kind.value} round {stats.index} failed on the comm lane during {stats.phase}: {error}"
-            ) from error
+            raise self._failed(round_, error) from error
         record.lane_end(stats)
         return stats
-
-    def replay(self, round_: Round) -> RoundStats:
-        """A round re-created from a checkpoint: its saved result (already in each group's
-        ``gather_input``) is all-gathered again."""
-        self._recorder.lane_start(round_.stats)
-        self._all_gather(round_.stats)
-        self._recorder.lane_end(round_.stats)
-        return round_.stats
-
-    def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None, unchanged: bool = False) -> None:
-        """Every rank's ``gather_input`` into ``gathered``. With ``delta_from`` (the light
-        estimate round: the committed master shards, which every rank's live parameters
-        hold in full) only the delta from them travels, in ``estimate_dtype``; ``unchanged``
-        (a skipped round) sends the committed master shards themselves."""
-        with self._recorder.phase(stats, "all-gather"):
-            for number, group in enumerate(self._groups):
-                if unchanged:
-                    group.gather_input.copy_(group.prepare_master())
-                if delta_from is None:
-                    self._comm.all_gather(group.gathered, group.gather_input)
-                    continue
-                delta = group.gather_input.to(group.master_dtype, copy=True).sub_(delta_from[number])
-                group.gather_from_delta(*self._comm.all_gather_quantized(delta, self._options.estimate_dtype))
-
-    def _synchronise_buffers(self, round_: Round) -> None:
-        if round_.buffer_snapshot is not None and self._buffer_sync is not None:
-            with self._recorder.phase(round_.stats, "buffers"):
-                self._buffer_sync.synchronise(round_.buffer_snapshot, self._comm)
 
     def _totals(self, round_: Round) -> tuple[float, float]:
         """All-reduce this rank's weights and flags; returns (update weight, how many
@@ -199,20 +234,8 @@ class RoundRunner:
         if local.device is not None:
             totals[1] += local.device[0]
             totals[4] += local.device[1]
-        # A sum is NaN or inf whenever an element is, and costs a thirtieth of an exact
-        # scan; _confirm_nonfinite scans only when some rank's sum was not finite.
-        sums = torch.stack([grads.sum().double() for grads in round_.grads])
-        totals[3] += (~torch.isfinite(sums)).any().double()
+        totals[3] += self._nonfinite_flag(round_.grads)
         return totals
-
-    def _confirm_nonfinite(self, grads: list[Tensor]) -> int:
-        """How many ranks really hold a NaN or inf (a sum may overflow on huge finite values).
-
-        Runs on every rank once the all-reduced flags say some rank's sum was not finite.
-        """
-        exact = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().double().reshape(1)
-        self._mesh_comm.all_reduce_sum_(exact)
-        return int(self._device_hooks.host_copy(exact)(self._options.timeout.total_seconds()).item())
 
     def _clip(self, max_norm: float) -> Tensor:
         """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as

@@ -1,30 +1,41 @@
 """Starting an optimizer: its sharded groups built from the options, every rank from rank 0's values.
 
 :func:`build_groups` makes one :class:`~acco.sharding.ShardedGroup` per param group as the
-mode needs them; :func:`start_identical` checks that every rank built the same ones, then
-broadcasts rank 0's parameters (and module buffers).
+mode's loop needs them; :func:`start_identical` checks that every rank built the same ones, then
+broadcasts rank 0's parameters (and module buffers); :func:`open_groups` makes the process
+groups the optimizer owns.
 """
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from acco.collectives import Collectives
 from acco.mesh import InnerMesh, local_tensor
 from acco.module_buffers import BufferSync
-from acco.options import Mode, Options
+from acco.options import Options
 from acco.sharding import ShardedGroup, plan_layout
 
-__all__ = ["build_groups", "start_identical"]
+__all__ = ["MadeGroups", "build_groups", "open_groups", "start_identical"]
 
 
 def build_groups(
-    param_groups: Sequence[dict[str, Any]], options: Options, rank: int, world_size: int, inner: InnerMesh | None = None
+    param_groups: Sequence[dict[str, Any]],
+    options: Options,
+    rank: int,
+    world_size: int,
+    inner: InnerMesh | None = None,
+    *,
+    double_buffered: bool,
+    master_in_params: bool,
 ) -> list[ShardedGroup]:
-    """One :class:`ShardedGroup` per param group, as ``options.mode`` needs them; with
-    ``inner`` (DTensor parameters) each works on the parameters' local tensors."""
+    """One :class:`ShardedGroup` per param group, as the mode's loop needs them (its facts
+    ``double_buffered`` and ``master_in_params``, :class:`acco.loops.Loop`); with ``inner``
+    (DTensor parameters) each works on the parameters' local tensors."""
     groups = [
         ShardedGroup(
             g["params"],
@@ -32,13 +43,8 @@ def build_groups(
             rank,
             param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
-            # sync computes nothing while a round runs: the round reduces, updates and
-            # gathers in the accumulator itself.
-            double_buffered=options.mode is not Mode.SYNC,
-            # sync and dpu load each round's result as the committed parameters: with
-            # fp32 parameters those hold the master shard (acco's hold estimates).
-            # (mode="local": the master shard is the snapshot, which the live parameters are not.)
-            master_in_params=options.mode in (Mode.SYNC, Mode.DPU),
+            double_buffered=double_buffered,
+            master_in_params=master_in_params,
             inner=inner,
         )
         for g in param_groups
@@ -64,10 +70,7 @@ def start_identical(
     layout or optimizer class differs. Collective."""
     extra = "" if buffer_sync is None else buffer_sync.fingerprint()
     fingerprint = "|".join(
-        [options.mode.value, options.nonfinite.value, str(options.max_grad_norm), str(options.estimate_dtype), extra,
-         str(options.local and (options.local.sync_every, options.local.sync_delay, options.local.overlap.value,
-                                options.local.outer_class.__name__))]
-        + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
+        [options.fingerprint(), extra] + [f"{name}:{group.fingerprint()}" for name, group in zip(header, groups)]
     )
     if not comm.same_on_all_ranks(fingerprint):
         raise ValueError(
@@ -80,3 +83,35 @@ def start_identical(
         group.set_initial_values(initial)
     if buffer_sync is not None:
         buffer_sync.land(buffer_sync.synchronised(comm, broadcast=True), exact=True)
+
+
+@dataclass(frozen=True)
+class MadeGroups:
+    """The process groups an optimizer makes (and gives back at ``finish()``).
+
+    Attributes:
+        lane: the comm lane's own group (its collectives never interleave with the user's).
+        mesh: with DTensor parameters, the lane's group over the whole mesh, where that is
+            more than the user's group; None otherwise.
+        replica: a replica group's ranks (``ready()`` on a mesh: they must agree, since
+            FSDP2 reduce-scatters in every backward); None with one rank per replica.
+    """
+
+    lane: Collectives
+    mesh: Collectives | None
+    replica: Collectives | None
+
+    def owned(self) -> list[Collectives]:
+        return [comm for comm in (self.lane, self.mesh, self.replica) if comm is not None]
+
+
+def open_groups(comm: Collectives, inner: InnerMesh, timeout: datetime.timedelta) -> MadeGroups:
+    """Make the optimizer's own process groups from the user's ``comm``. Collective."""
+    lane = comm.new_lane_group(timeout)
+    mesh = None
+    if inner.active:
+        inner.gather_ranks(comm)
+        if inner.ranks != sorted(comm.group_ranks()):
+            mesh = comm.new_group(inner.ranks, timeout)
+    replica = comm.new_group(inner.replica_ranks, timeout) if inner.replica_size > 1 else None
+    return MadeGroups(lane, mesh, replica)

@@ -41,10 +41,11 @@ class RoundStats:
         kind: ``RoundKind.ESTIMATE`` or ``RoundKind.COMMIT`` (``RoundKind.OUTER`` in
             ``mode="local"``: the replicas' parameters reduced, the outer update, the new
             global values gathered).
-        local_micro_batches / local_weight: what this rank accumulated during the round.
+        local_micro_batches / local_weight: what this rank accumulated during the round
+            (0 for an outer round, which carries parameters).
         global_micro_batches / global_weight: the same summed over all ranks.
         update_weight: the global weight the update divided by (an acco commit covers two
-            rounds).
+            rounds; an outer round: the replicas whose mean it takes, each counted once).
         lane_start / lane_end: when the comm lane started and finished the round.
         phase_seconds: time spent in each lane phase (``unscale`` with a GradScaler,
             ``totals``: the small all-reduce of

@@ -951,10 +951,8 @@ def main(benchmark: Benchmark, argv: Sequence[str] | None = None) -> None:
     results.setdefault("runtime_s", time.perf_counter() - started)  # a merged sweep keeps its own
     save(args, results)
     print(f"wrote {args.out} ({minutes(results['runtime_s'])})")
-    if not args.no_report:
-        import report
-
-        report.main([])
+    if not args.no_report:  # its own process: report.py imports every benchmark, and they import this module
+        subprocess.run([sys.executable, str(BENCH_DIR / "report.py")], check=True)
 
 
 def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | None = None,

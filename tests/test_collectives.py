@@ -148,7 +148,7 @@ def nccl_alone(port: int, mode: str) -> dict:
         model = make_model().cuda()
         cls, hp = OPTIMIZERS["adamw"]
         opt = AccoOptimizer(model, cls, mode=mode, max_grad_norm=0.5, timeout=CUDA_TIMEOUT, **hp)
-        opt._lane_comm.communicate_alone = True
+        opt.lane_collectives.communicate_alone = True
         for r in range(6):
             for i in range(2):
                 x, y = micro_batch(r, 0, i)

@@ -157,7 +157,7 @@ def train(device: str, mode: str, optimizer: str, rounds: int = 6, param_dtype: 
             opt.accumulate(weight=torch.tensor(weight, device=device) if device == "cuda" else weight)
         committed.append(opt.step())
     committed.append(opt.finish())
-    masters = [g.master.dtype for g in opt._groups]
+    masters = [g.master.dtype for g in opt.sharded_groups]
     return {
         "params": {k: v.float().cpu() for k, v in params_of(model).items()},
         "committed": committed,

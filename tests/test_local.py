@@ -65,7 +65,7 @@ def run_rank(steps: int, optimizer: str, layout: str, weighted: bool, options: d
     opt.finish()
     return {"params": params_of(model), "landed": landed, "updates": updates, "num_updates": opt.num_updates,
             "outer_rounds": opt.outer_rounds, "kinds": [s.kind.value for s in opt.round_stats],
-            "global_micro_batches": [s.global_micro_batches for s in opt.round_stats]}
+            "replicas": [s.update_weight for s in opt.round_stats]}
 
 
 def expected(world_size: int, steps: int, optimizer: str, **options) -> list[dict[str, torch.Tensor]]:
@@ -87,7 +87,7 @@ def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     for result in results:
         assert len(result["landed"]) == 2 and result["outer_rounds"] == 3
         assert result["updates"] == [True] * steps and result["num_updates"] == steps
-        assert result["kinds"] == ["outer"] * 3 and result["global_micro_batches"] == [world_size] * 3
+        assert result["kinds"] == ["outer"] * 3 and result["replicas"] == [world_size] * 3  # each counted once
     for n in range(2):  # identical after every landed round
         assert_identical_across_ranks([{"params": r["landed"][n]} for r in results])
     assert_params_close(results[0]["params"], reference[0])
@@ -166,7 +166,7 @@ def memory_rank(layout: str) -> dict:
     opt = build(model, "adamw", layout=layout, sync_every=2, sync_delay=1, overlap="keep")
     for t in range(3):
         inner_step(opt, model, t, this_rank(), False)
-    outer = opt.base_optimizers[0]
+    outer = opt.outer_optimizers[0]
     outer_state = sum(v.numel() * v.element_size() for s in outer.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim())
     inner_state = sum(v.numel() * v.element_size() for s in opt.inner_optimizers[0].state.values()
@@ -210,7 +210,7 @@ def reshard_rank(directory: str, steps: int, world_size_saved: int) -> dict:
         acco.checkpoint.load(directory, opt, model)
     plan = opt.shard_plans[0]
     start, stop = plan.rank_range(rank)
-    shard = {"momentum": opt.base_optimizers[0].state[opt.base_optimizers[0].param_groups[0]["params"][0]]
+    shard = {"momentum": opt.outer_optimizers[0].state[opt.outer_optimizers[0].param_groups[0]["params"][0]]
              ["momentum_buffer"].clone(), "start": start, "stop": stop}
     inner = {k: v.clone() for k, v in opt.inner_optimizers[0].state_dict()["state"][0].items()}
     out = {"shard": shard, "inner": inner, "params": params_of(model), "in_flight": opt.in_flight is not None}
@@ -334,6 +334,6 @@ def test_defaults() -> None:
     opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
     local = opt.options.local
     assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 15, "discard")
-    assert opt.base_optimizers[0].defaults["lr"] == 0.7 and opt.base_optimizers[0].defaults["nesterov"]
+    assert opt.outer_optimizers[0].defaults["lr"] == 0.7 and opt.outer_optimizers[0].defaults["nesterov"]
     opt.finish()
     assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1).options.local.sync_delay == 0

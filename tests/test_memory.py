@@ -73,7 +73,7 @@ def test_equal_weights_put_p_grad_in_the_accumulator() -> None:
     equals the run with p.grad kept until accumulate()."""
     model = make_model()
     opt = AccoOptimizer(model, torch.optim.SGD, mode="dpu", lr=0.1)
-    group = opt._groups[0]
+    group = opt.sharded_groups[0]
     loss_fn(model, *micro_batch(0, 0, 0)).backward()
     assert all(p.grad is not None for p in model.parameters())  # the first micro-batch: p.grad kept
     opt.accumulate()
@@ -94,7 +94,7 @@ def test_equal_weights_put_p_grad_in_the_accumulator() -> None:
     for r in range(3):
         for i in range(2):
             loss_fn(model2, *micro_batch(r, 0, i)).backward()
-            assert not any(inside(p.grad, opt2._groups[0].grad_accumulator) for p in model2.parameters())
+            assert not any(inside(p.grad, opt2.sharded_groups[0].grad_accumulator) for p in model2.parameters())
             opt2.accumulate(weight=1.0)
         opt2.step()
     opt2.finish()
@@ -116,7 +116,7 @@ def test_a_wider_reduce_dtype_folds_through_hooks() -> None:
     assert all(p.grad is None for p in model.parameters())
     opt.accumulate()
     expected = torch.cat([2 * g.reshape(-1) for g in first])
-    torch.testing.assert_close(opt._groups[0].grad_accumulator[: expected.numel()], expected)
+    torch.testing.assert_close(opt.sharded_groups[0].grad_accumulator[: expected.numel()], expected)
     opt.finish()
 
 # ------------------------------------------------------------------------ buffers
@@ -127,7 +127,7 @@ def buffers_rank(mode: str, dtype: str) -> dict:
     model = nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 7))
     kwargs = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if dtype == "bf16" else {}
     opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, lr=1e-2, timeout=TIMEOUT, **kwargs)
-    group = opt._groups[0]
+    group = opt.sharded_groups[0]
     copies = []
     for r in range(6):
         dtype = next(model.parameters()).dtype
@@ -222,7 +222,7 @@ def _cuda_round_peak(mode: str, explicit_weight: bool) -> dict:
     torch.cuda.reset_peak_memory_stats()
     round_()
     peak = torch.cuda.max_memory_allocated()
-    group = opt._groups[0]
+    group = opt.sharded_groups[0]
     state = sum(v.nbytes for b in opt.base_optimizers for s in b.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
     opt.finish()

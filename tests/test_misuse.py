@@ -201,7 +201,7 @@ def test_a_weight_after_a_folded_backward_is_an_error() -> None:
     loss_fn(model, *micro_batch(0, 0, 1)).backward()
     with pytest.raises(ValueError, match=r"already folded at weight 1\.0.*micro_batch\(weight=w\)"):
         opt.accumulate(weight=3.0)
-    assert opt._schedule.current.total() == 2.0 and opt._schedule.current.micro_batches == 2  # counted at its real weight
+    assert opt.accumulated == (2, 2.0)  # counted at its real weight
     loss_fn(model, *micro_batch(0, 0, 2)).backward()
     opt.accumulate(weight=1.0)  # the weight it was folded at: fine
     opt.finish()
@@ -219,7 +219,7 @@ def test_a_folded_backward_cannot_be_discarded_by_zero_grad() -> None:
     with pytest.warns(UserWarning, match=r"discards nothing: the \d micro-batch\(es\) accumulated"):
         opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    assert opt._groups[0].grad_accumulator.abs().sum() > 0
+    assert opt.sharded_groups[0].grad_accumulator.abs().sum() > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.zero_grad()  # once only
@@ -286,10 +286,10 @@ def test_micro_batch_without_backward_or_with_pending_gradients() -> None:
     opt.accumulate()
     with opt.micro_batch(weight=2.0):
         loss_fn(model, *micro_batch(0, 0, 2)).backward()
-    assert opt._schedule.current.total() == 4.0
+    assert opt.accumulated[1] == 4.0
     # After the block p.grad is the accumulator's view again (equal weights resume).
     loss_fn(model, *micro_batch(0, 0, 3)).backward()
-    assert all(inside(p.grad, opt._groups[0].grad_accumulator) for p in model.parameters())
+    assert all(inside(p.grad, opt.sharded_groups[0].grad_accumulator) for p in model.parameters())
     opt.accumulate()
     opt.step()
     opt.finish()

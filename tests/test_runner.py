@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from acco.sharding import ShardedGroup, plan_flat
-from acco.streams import CpuHooks
-from acco.options import Mode, Options
-from acco.options import RoundKind
+from acco.loops import gradient_round, loop_classes
+from acco.options import Mode, Options, RoundKind
 from acco.rounds import CommLaneError, RoundSchedule
 from acco.runner import RoundRunner
+from acco.sharding import ShardedGroup, plan_flat
+from acco.streams import CpuHooks
 from acco.telemetry import StatsRecorder
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,7 +82,8 @@ def build(mode: Mode, comm: FakePeerCollectives, *, max_grad_norm: float | None 
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen, requires_grad=True) for s in SHAPES]
     plan = plan_flat(SHAPES, WORLD_SIZE)
-    group = ShardedGroup(params, plan, RANK, double_buffered=mode is not Mode.SYNC, master_in_params=mode is not Mode.ACCO)
+    loop = loop_classes()[mode]  # the mode's facts: its buffers and its round kinds
+    group = ShardedGroup(params, plan, RANK, double_buffered=loop.double_buffered, master_in_params=loop.master_in_params)
     group.set_initial_values(group.initial_values())
     base = torch.optim.SGD(group.master_views, lr=0.1, momentum=0.9)
     options = Options.check(
@@ -91,7 +92,7 @@ def build(mode: Mode, comm: FakePeerCollectives, *, max_grad_norm: float | None 
     )  # fmt: skip
     recorder = StatsRecorder(CpuHooks())
     runner = RoundRunner([group], [base], comm, CpuHooks(), recorder, options)
-    schedule = RoundSchedule(mode, recorder, options.wait_seconds)
+    schedule = RoundSchedule(loop.round_kinds, recorder, options.wait_seconds)
     return group, base, runner, schedule
 
 
@@ -107,7 +108,7 @@ def launch(group: ShardedGroup, schedule: RoundSchedule, grads: Tensor, weights:
 
 def hand_over(schedule: RoundSchedule, grads: list[Tensor], hyperparams: list[dict]) -> Any:
     """The round the schedule launches, taken back from it: the test runs it itself."""
-    schedule.launch(grads, hyperparams, None, submit=lambda round_: None)
+    schedule.launch(gradient_round(schedule, grads, hyperparams), submit=lambda round_: None)
     return schedule.take_in_flight()
 
 

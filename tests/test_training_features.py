@@ -255,6 +255,6 @@ def test_a_16_bit_reduce_dtype_warns_and_fp32_accumulation_keeps_precision() -> 
             opt.accumulate()
         opt.step()
         exact = torch.stack(grads).mean(0)
-        sums[reduce_dtype] = float((opt._groups[0].grad_shard.double()[:64] / 256 - exact.flatten()).abs().max())
+        sums[reduce_dtype] = float((opt.sharded_groups[0].grad_shard.double()[:64] / 256 - exact.flatten()).abs().max())
     assert sums[torch.float32] < 1e-6
     assert sums[torch.bfloat16] > 100 * sums[torch.float32]
