@@ -7,7 +7,9 @@ cycles through, whether the accumulator is double-buffered and where the master 
 for :func:`acco.startup.build_groups`, whether a GradScaler may drive it for
 :mod:`acco.amp`, which optimizer runs on the shards for the layout), and the verbs
 :class:`~acco.AccoOptimizer` delegates to. A loop is handed :class:`LoopParts`, a narrow
-view of the optimizer (its groups, schedule, lane and collaborators), never the optimizer.
+view of the optimizer (its groups, schedule, lane and collaborators), never the optimizer
+(nor anything that holds it: a cycle would keep an unfinished optimizer, and its lane's
+thread, alive until the cyclic collector runs).
 
 This module holds the per-update loops, in which every ``step()`` ends a round of the
 sharded update (SPEC section 2): :class:`SyncLoop` (ZeRO-1, blocking), :class:`DpuLoop`
@@ -75,8 +77,6 @@ class LoopParts:
         mesh_comm: with DTensor parameters, the lane's group over the whole mesh (or None).
         replica_size: ranks per replica group (1 on flat ranks).
         optimizer_class / defaults: the base optimizer and its keyword arguments.
-        check_usable: raises when the optimizer can no longer be used (a failed lane, a
-            finished optimizer), naming the call.
     """
 
     param_groups: list[dict[str, Any]]
@@ -93,7 +93,6 @@ class LoopParts:
     replica_size: int
     optimizer_class: type[torch.optim.Optimizer]
     defaults: dict[str, Any]
-    check_usable: Callable[[str], None]
 
     def lane_work_args(self) -> tuple[Any, ...]:
         """:class:`~acco.runner.LaneWork`'s arguments after ``groups`` (and a runner's own)."""
@@ -285,7 +284,7 @@ class UpdateLoop(Loop):
         round_ = self._schedule.in_flight
         if round_ is None or round_.kind is not RoundKind.COMMIT:
             return
-        self._parts.check_usable("eval")
+        self._schedule.check_usable("eval")
         self._schedule.wait(round_)
         self._eval_at = self._schedule.launched
         with record_function("acco.load_params"):

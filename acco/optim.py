@@ -265,9 +265,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._loop: Loop = loop_class(LoopParts(
             self.param_groups, self._groups, self._schedule, self._folder, self._counts, self._lane,
             self._lane_comm, self._recorder, options, self._buffer_sync, made.mesh, inner.replica_size,
-            optimizer_class, defaults, self._check_usable,
+            optimizer_class, defaults,
         ))  # fmt: skip
-        self._closed = False
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict()'s, on its rank
         self._warned_zero_grad = False
 
@@ -449,7 +448,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         .. warning:: Collective: every rank must call it.
         """
-        if self._closed:
+        if self._schedule.closed:
             return False
         if self._schedule.failure is not None:
             self.close()
@@ -474,7 +473,7 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _stop(self, collective: bool) -> None:
         """Close the optimizer and give back what it started (:class:`_Started`).
         ``collective``: every rank is here with the lane drained (``finish()``)."""
-        self._closed = True
+        self._schedule.closed = True
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
         # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
@@ -574,7 +573,7 @@ class AccoOptimizer(torch.optim.Optimizer):
     def train(self) -> None:
         """Put back the live parameters that :meth:`eval` set aside (no-op otherwise, or when
         ``step()`` or ``finish()`` has loaded newer parameters since)."""
-        self._loop.train(restore=not self._closed)
+        self._loop.train(restore=not self._schedule.closed)
 
     def _check_call(self, call: str) -> None:
         """The checks every compute-lane call starts with (before any collective)."""
@@ -585,11 +584,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             group.check_params_unchanged(number)
 
     def _check_usable(self, call: str) -> None:
-        failure = self._schedule.failure
-        if failure is not None:
-            raise RuntimeError(f"{call}() after the comm lane failed: {failure}") from failure
-        if self._closed:
-            raise RuntimeError(f"{call}() after finish() or close(): the optimizer is finished")
+        self._schedule.check_usable(call)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer's state (schema: :mod:`acco.state`), tensors and

@@ -75,8 +75,8 @@ class Round(LaneRound):
 
 class RoundSchedule:
     """The round state machine: which kind of round the next hand-over launches, how many
-    were launched, the weight sums the next rounds divide by, the round in flight, and the
-    failure that ended the schedule (if any).
+    were launched, the weight sums the next rounds divide by, the round in flight, and what
+    ended the schedule (a failure, or the optimizer finished or closed).
 
     Args:
         kinds: the kinds of round a loop launches, in the order they repeat (acco: estimate,
@@ -96,8 +96,16 @@ class RoundSchedule:
         self.in_flight: LaneRound | None = None
         self.failure: BaseException | None = None
         self.failed: LaneRound | None = None  # a round that failed or timed out: close() keeps its tensors
+        self.closed = False  # finish() or close(): no round launches any more
         self._recorder = recorder
         self._wait_seconds = wait_seconds
+
+    def check_usable(self, call: str) -> None:
+        """``RuntimeError`` naming ``call`` once a round failed or the optimizer is finished."""
+        if self.failure is not None:
+            raise RuntimeError(f"{call}() after the comm lane failed: {self.failure}") from self.failure
+        if self.closed:
+            raise RuntimeError(f"{call}() after finish() or close(): the optimizer is finished")
 
     def count(self, weight: float | Tensor) -> None:
         """A micro-batch ended with ``weight``."""
