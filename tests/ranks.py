@@ -134,6 +134,7 @@ class RankPool:
         for process in self._processes:
             process.start()
         self.broken = False
+        self.tasks = 0  # run so far
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
         """Run ``fn(*args)`` on every rank; returns the per-rank results in rank order.
@@ -142,6 +143,7 @@ class RankPool:
         """
         if self.broken:
             raise RuntimeError("the rank pool is broken")
+        self.tasks += 1
         for inbox in self._inboxes:
             inbox.put((fn, args))
         try:
