@@ -7,10 +7,12 @@ Every ``sync_every`` inner steps an *outer round* starts on the comm lane
 (:class:`OuterRunner`): the replicas' parameters are reduce-scattered, each rank subtracts
 their mean from its shard of the *snapshot* (the last global values, kept only as this rank's
 1/R shard, at full precision), steps that shard with the outer optimizer (its state 1/R too)
-and all-gathers the new global values. ``sync_delay`` inner steps later the round *lands*:
-the replica takes the new global values, and what it learnt meanwhile is dropped
-(``overlap="discard"``, the default) or kept on top of them (``"keep"``). ``sync_delay=0``
-is blocking DiLoCo. The recurrences: docs/design.md, "Local steps".
+and all-gathers the new global values. The round *lands* at the first inner step at which the
+comm lane has finished it (``sync_delay="auto"``, the default; at the latest ``sync_every``
+steps after its launch) or ``sync_delay`` inner steps after its launch: the replica takes the
+new global values, and what it learnt meanwhile is kept on top of them (``overlap="keep"``,
+the default) or dropped (``"discard"``). ``sync_delay=0`` is blocking DiLoCo. The
+recurrences: docs/design.md, "Local steps".
 
 :class:`LocalLoop` is the loop (:mod:`acco.loops` says what a loop is); :class:`InnerSteps`
 the inner update; :class:`LocalClock` when rounds launch and land; :class:`OuterRound` and
@@ -43,8 +45,8 @@ __all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner"]
 
 class LocalLoop(Loop):
     """``mode="local"``'s loop: every ``step()`` is one inner update of this replica; every
-    ``sync_every`` steps an outer round launches on the comm lane, and lands ``sync_delay``
-    steps later.
+    ``sync_every`` steps an outer round launches on the comm lane, and lands when it is done
+    (``sync_delay="auto"``) or ``sync_delay`` steps later.
 
     Attributes:
         snapshot: per param group, this rank's 1/R shard of the global values the last outer
@@ -55,10 +57,15 @@ class LocalLoop(Loop):
             (None: this rank owns nothing of the group).
         inner: the inner optimizers and the inner update.
         clock: when outer rounds launch and land, and what has landed.
+        global_values: per param group, the global values the last outer round landed, whole
+            and flat (``param_dtype``; the initial parameters before the first landing): what
+            ``eval()`` and ``global_parameters()`` give at any step on this rank alone, with no
+            collective. One model size per rank.
     """
 
     mode = Mode.LOCAL
     round_kinds = (RoundKind.OUTER,)
+    pending_sums_across_ranks = False
     grad_scaler_refusal = "torch.amp.GradScaler is not supported in mode='local' yet: use bf16 autocast (no scaler needed)"
 
     def __init__(self, parts: LoopParts) -> None:
@@ -72,6 +79,9 @@ class LocalLoop(Loop):
         self.inner = InnerSteps(parts.param_groups, parts.groups, parts.optimizer_class, parts.defaults)
         self.clock = LocalClock(local)
         self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, *parts.lane_work_args())
+        # Built after start-up: every rank holds rank 0's parameters, the first global values.
+        self.global_values = [group.flat_params() for group in parts.groups]
+        self._eval_at: int | None = None  # the inner step eval() put the global values in the model at
 
     @staticmethod
     def sharded_class(options: Options) -> type | None:
@@ -79,8 +89,13 @@ class LocalLoop(Loop):
         return options.local.outer_class
 
     def step(self, inv_scale: Tensor | None) -> bool:
-        """This replica's inner update, then the outer round in flight lands (``sync_delay``
-        steps after its launch) and the next one starts (every ``sync_every``)."""
+        """This replica's inner update, then the outer round in flight lands (once done, or
+        ``sync_delay`` steps after its launch) and the next one starts (every ``sync_every``)."""
+        if self._eval_at is not None:
+            raise RuntimeError(
+                "step() between opt.eval() and opt.train(): the model holds the global values, not this replica's "
+                "parameters; call opt.train() before the next forward pass"
+            )
         clock, weights, options = self.clock, self._schedule.take_round_weights(), self._parts.options
         try:
             with self._parts.folder.views_released():
@@ -93,23 +108,28 @@ class LocalLoop(Loop):
         self._counts.committed_weight += weights.total() if updated else 0.0
         clock.inner_steps += 1
         clock.unsynced = True
-        if clock.lands_now():
+        if clock.lands_after(clock.inner_steps, self._round_done()):
             self._land()
         if clock.launches_now():
             self._launch()
-            if clock.options.sync_delay == 0:
+            if not clock.options.overlaps:
                 self._land()
         return updated
 
     def ready(self) -> bool:
-        """``step()`` waits only when the round in flight lands at its end."""
+        """``step()`` waits only when the round in flight must land at its end and has not
+        finished yet."""
+        return self._round_done() or not self.clock.lands_after(self.clock.inner_steps + 1, done=False)
+
+    def _round_done(self) -> bool:
+        """Whether the comm lane has finished the round in flight (True: none in flight)."""
         in_flight = self._schedule.in_flight
-        done = in_flight is None or in_flight.future.done()
-        return done or not self.clock.lands_after(self.clock.inner_steps + 1)
+        return in_flight is None or in_flight.future.done()
 
     def finish(self) -> bool:
         """The round in flight lands, then one more (blocking) over the inner steps since,
         so every replica ends at the same, global parameters."""
+        self.train(restore=True)  # a landing adds to this replica's parameters, not to eval()'s
         committed = self._schedule.in_flight is not None
         if committed:
             self._land()
@@ -131,7 +151,6 @@ class LocalLoop(Loop):
                             buffer_snapshot=self._buffer_snapshot(), params=params)  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
-        clock.global_in_buffer = False
 
     def _land(self, discard: bool = False) -> None:
         """Wait for the outer round in flight and give the replica the new global values, the
@@ -142,6 +161,7 @@ class LocalLoop(Loop):
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         with record_function("acco.load_params"):
             for number, group in enumerate(self._groups):
+                self.global_values[number].copy_(group.gathered)
                 if keep:
                     group.add_params_from_buffer(clock.handed_over[number])
                 else:
@@ -149,7 +169,6 @@ class LocalLoop(Loop):
             self._land_buffers(round_)
         clock.unsynced = keep
         clock.launched_at = None
-        clock.global_in_buffer = True
         clock.outer_rounds += 1
         clock.skipped_outer_rounds += int(stats.skipped)
 
@@ -162,9 +181,26 @@ class LocalLoop(Loop):
         return self.clock.skipped_outer_rounds
 
     def global_parameters(self) -> list[list[Tensor]]:
-        if not self.clock.global_in_buffer:
-            raise RuntimeError("global_parameters(): between an outer round's landing and the next launch only")
-        return [[view.clone() for view in group.gathered_views()] for group in self._groups]
+        return [[view.clone() for view in group.views(values)] for group, values in zip(self._groups, self.global_values)]
+
+    def eval(self) -> None:
+        """Put the global values of the last landed round in the model, this replica's
+        parameters set aside until :meth:`train`: on this rank alone, at any step, a round
+        in flight or not (nothing waits, nothing is communicated)."""
+        if self._eval_at == self.clock.inner_steps:
+            return
+        self.train(restore=True)
+        self._eval_at = self.clock.inner_steps
+        with record_function("acco.load_params"):
+            for group, values in zip(self._groups, self.global_values):
+                group.set_live_aside()
+                group.load_params(values)
+
+    def train(self, restore: bool) -> None:
+        restore = restore and self._eval_at is not None
+        self._eval_at = None
+        for group in self._groups:
+            group.take_live_back(restore)
 
     @property
     def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
@@ -184,12 +220,24 @@ class LocalLoop(Loop):
         handed = self.clock.handed_over
         if handed is not None:
             handed = [per_param(g.plan, h) for g, h in zip(self._groups, handed)]
-        # Each replica's own parameters: they differ between outer rounds, and the model's
-        # checkpoint is often rank 0's only (acco.checkpoint, consolidate_state_dict).
-        live = [[p.detach().clone() for p in group.locals()] for group in self._groups]
-        return {**self.clock.state_dict(), "handed_over": handed, "inner": self.inner.state_dicts(), "live": live}
+        # Each replica's own parameters (those eval() set aside, if it did): they differ between
+        # outer rounds, and the model's checkpoint is often rank 0's only (acco.checkpoint,
+        # consolidate_state_dict). Its pending gradients too: they are this replica's, not a
+        # share of a sum over ranks (pending_sums_across_ranks), so a consolidated state keeps them apart.
+        return {
+            **self.clock.state_dict(),
+            "handed_over": handed,
+            "inner": self.inner.state_dicts(),
+            "live": [group.live_values() for group in self._groups],
+            "global_values": [per_param(g.plan, v) for g, v in zip(self._groups, self.global_values)],
+            "accumulators": [per_param(g.plan, g.grad_accumulator) for g in self._groups],
+            "round_weight": self._schedule.current.total(),
+            "round_micro_batches": self._schedule.current.micro_batches,
+        }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
+        """After the groups and the schedule: this replica's own part (``saved`` is this
+        rank's, or on another number of replicas rank 0's: docs/checkpoints.md)."""
         self.clock.load_state_dict(saved)
         if saved["handed_over"] is not None:
             self.clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
@@ -198,14 +246,20 @@ class LocalLoop(Loop):
         with torch.no_grad():
             for group, values in zip(self._groups, saved["live"]):
                 torch._foreach_copy_([p.detach() for p in group.locals()], [v.to(group.device) for v in values])
+            for group, values, target in zip(self._groups, saved["global_values"], self.global_values):
+                target.copy_(full(group.plan, values, group.param_dtype))
+            for group, values in zip(self._groups, saved["accumulators"]):
+                group.grad_accumulator.copy_(full(group.plan, values, group.reduce_dtype))
+        self._schedule.put_back_round_weights(WeightSum(float(saved["round_weight"]), None, int(saved["round_micro_batches"])))
 
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Adds ``handed_over`` (the parameters the round in flight was handed, with
-        ``overlap="keep"``); ``master`` is the snapshot's shard."""
+        ``overlap="keep"``) and ``global_values``; ``master`` is the snapshot's shard."""
         sizes = super().buffer_bytes()
         handed = self.clock.handed_over
         for number, entry in enumerate(sizes):
             entry["handed_over"] = 0 if handed is None else handed[number].nbytes
+            entry["global_values"] = self.global_values[number].nbytes
         return sizes
 
 
@@ -392,7 +446,6 @@ class LocalClock:
             nothing (NaN/inf in some replica's parameters with ``nonfinite="skip"``).
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay: what the landing subtracts), or None.
-        global_in_buffer: the rounds' buffers still hold the global values last landed.
     """
 
     options: LocalOptions
@@ -402,15 +455,16 @@ class LocalClock:
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
-    global_in_buffer: bool = False  # the round's buffer holds the last landed global values
 
-    def lands_now(self) -> bool:
-        """The round in flight lands at the end of this inner step."""
-        return self.lands_after(self.inner_steps)
-
-    def lands_after(self, steps: int) -> bool:
-        """Whether the round in flight lands once ``steps`` inner steps are done."""
-        return self.launched_at is not None and steps - self.launched_at >= self.options.sync_delay
+    def lands_after(self, steps: int, done: bool) -> bool:
+        """Whether the round in flight lands once ``steps`` inner steps are done (``done``:
+        the comm lane has finished it, which lands it there with ``sync_delay="auto"``)."""
+        if self.launched_at is None:
+            return False
+        since = steps - self.launched_at
+        if self.options.auto_delay:
+            return since > 0 and (done or since >= self.options.sync_every)
+        return since >= self.options.sync_delay
 
     def launches_now(self) -> bool:
         return self.inner_steps % self.options.sync_every == 0
@@ -418,7 +472,7 @@ class LocalClock:
     @property
     def keeps_progress(self) -> bool:
         """Whether a landing adds the progress made since the launch to the new global values."""
-        return self.options.overlap is Overlap.KEEP and self.options.sync_delay > 0
+        return self.options.overlap is Overlap.KEEP and self.options.overlaps
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (``handed_over`` is the optimizer's to save, per parameter)."""

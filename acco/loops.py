@@ -111,6 +111,9 @@ class Loop:
         master_in_params: the live parameters hold the committed values at every round
             boundary, so the master shard need not be kept (:class:`~acco.sharding.ShardedGroup`).
         grad_scaler_refusal: why a ``torch.amp.GradScaler`` cannot drive this loop (None: it can).
+        pending_sums_across_ranks: the gradients accumulated for the next update are summed over
+            every rank by it, so a checkpoint may hold their sum on rank 0 (False: each rank's
+            are its own, and the loop's state keeps them).
 
     Attributes:
         shard_optimizers: per param group, the optimizer stepped on this rank's shard on the
@@ -123,6 +126,7 @@ class Loop:
     double_buffered: ClassVar[bool] = True
     master_in_params: ClassVar[bool] = False
     grad_scaler_refusal: ClassVar[str | None] = None
+    pending_sums_across_ranks: ClassVar[bool] = True
 
     shard_optimizers: list[torch.optim.Optimizer | None]
     lane_work: LaneWork

@@ -34,6 +34,9 @@ from acco.loops import Loop, LoopParts, UpdateCounts, loop_classes
 from acco.mesh import InnerMesh, placeholder_state
 from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
+    DEFAULT_OVERLAP,
+    DEFAULT_SYNC_DELAY,
+    DEFAULT_SYNC_EVERY,
     DEFAULT_TIMEOUT,
     Mode,
     NonFinite,
@@ -156,15 +159,17 @@ class AccoOptimizer(torch.optim.Optimizer):
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
         sync_every: ``local`` only: inner steps between outer rounds (default 30).
-        sync_delay: ``local`` only: inner steps an outer round overlaps before it lands, in
-            ``[0, sync_every]`` (``< sync_every`` with ``"discard"``); 0 is blocking DiLoCo
-            (default ``sync_every // 2``).
+        sync_delay: ``local`` only: when an outer round lands: ``"auto"`` (default) at the
+            first inner step at which the comm lane has finished it (at the latest
+            ``sync_every`` steps after its launch, waiting then if it must), or after a fixed
+            number of inner steps in ``[0, sync_every]`` (bit-for-bit reproducible; 0 is
+            blocking DiLoCo).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
-            rank's 1/R shard of the snapshot with the mean pseudo-gradient.
+            rank's 1/R shard of the global values with the mean pseudo-gradient.
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
-            dropped (``"discard"``, default: every replica takes the new global values) or
-            kept on top of them (``"keep"``).
+            kept on top of the new global values (``"keep"``, default) or dropped
+            (``"discard"``: every replica takes the new global values).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -208,10 +213,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         estimate_dtype: torch.dtype | None = None,
         buffers: BufferPolicy | str | None = BufferPolicy.BROADCAST,
         module: nn.Module | None = None,
-        sync_every: int | None = None,
-        sync_delay: int | None = None,
+        sync_every: int = DEFAULT_SYNC_EVERY,
+        sync_delay: int | str = DEFAULT_SYNC_DELAY,
         outer_optimizer: Any = None,
-        overlap: str | None = None,
+        overlap: str = DEFAULT_OVERLAP,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -416,12 +421,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         return self._loop.skipped_outer_rounds
 
     def global_parameters(self) -> list[list[Tensor]]:
-        """``mode="local"``: copies of the global values the last outer round landed, per param
-        group and parameter (local tensors on a mesh): the model the replicas agree on, to
-        evaluate between rounds. Valid from a landing until the next outer round starts.
+        """``mode="local"``: copies of the global values the last outer round landed (the
+        initial parameters before the first), per param group and parameter (local tensors on
+        a mesh): the model the replicas agree on. At any step, on this rank alone.
 
         Raises:
-            RuntimeError: another mode, no round landed yet, or one started since the last landed.
+            RuntimeError: another mode.
         """
         return self._loop.global_parameters()
 
@@ -664,7 +669,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         gradients held first as a load of the portable state holds them (their sums on rank
         0), so a run that saved and a run that loaded continue bit for bit alike. Collective."""
         self._wait_in_flight()  # the lane no longer reads what is moved next
-        pending_to_rank_zero(self._groups, self._schedule, self._comm)
+        if self._loop.pending_sums_across_ranks:
+            pending_to_rank_zero(self._groups, self._schedule, self._comm)
         own = self._own_state_dict()
         return self._comm.all_gather_objects(own) if dst is None else self._comm.gather_objects(own, dst=dst)
 
@@ -709,7 +715,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._counts.num_updates = int(saved["num_updates"])
         self._counts.skipped_updates = int(saved.get("skipped_updates", 0))
         self._counts.committed_weight = float(saved["committed_weight"])
-        self._loop.load_state_dict(saved.get("local"))
         self._schedule.load_state_dict(saved["round"])
+        self._loop.load_state_dict(saved.get("local"))
         if in_flight_kind is not None:  # the saved round in flight again: only its all-gather runs
             self._loop.replay(RoundKind(in_flight_kind), snapshot)

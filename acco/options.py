@@ -23,7 +23,7 @@ from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.quantize import check_estimate_dtype
 
-__all__ = ["DEFAULT_OUTER", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_sync_delay", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -59,8 +59,8 @@ class Overlap(str, enum.Enum):
     """mode="local": what the inner steps taken while an outer round is in flight become
     when it lands (docs/design.md, "Local steps")."""
 
-    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default; acco's)
-    KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
+    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
+    KEEP = "keep"  # added on top of the new global values, counted in the next outer round (acco's default)
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -89,45 +89,59 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # mode="local": DiLoCo's outer optimizer (Charles et al., arXiv 2503.09799).
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
-
-
-def default_sync_delay(sync_every: int) -> int:
-    """The inner steps an outer round overlaps by default: half of ``sync_every`` with the
-    default ``overlap="discard"``, the delay that measured best (docs/loops.md, "Slow links:
-    local steps"); 0 for ``sync_every=1``, where there is no step to overlap."""
-    return sync_every // 2
+# The inner steps an outer round overlaps: "auto" lands it at the first inner step at which
+# the comm lane has finished it (at the latest sync_every steps after its launch).
+AUTO = "auto"
+DEFAULT_SYNC_DELAY = AUTO
+DEFAULT_OVERLAP = "keep"
 
 
 @dataclass(frozen=True)
 class LocalOptions:
-    """The checked arguments of ``mode="local"`` (:mod:`acco.local`)."""
+    """The checked arguments of ``mode="local"`` (:mod:`acco.local`).
+
+    Attributes:
+        sync_delay: inner steps from an outer round's launch to its landing, or ``"auto"``.
+    """
 
     sync_every: int
-    sync_delay: int
+    sync_delay: int | str
     overlap: Overlap
     outer_optimizer: Callable[..., torch.optim.Optimizer]
     outer_class: type
 
+    @property
+    def auto_delay(self) -> bool:
+        """A round lands when it has completed (``sync_delay="auto"``), not after a fixed count."""
+        return self.sync_delay == AUTO
+
+    @property
+    def overlaps(self) -> bool:
+        """Inner steps may run while a round is in flight (every ``sync_delay`` but 0)."""
+        return self.sync_delay != 0
+
     @classmethod
     def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any) -> LocalOptions | None:
-        """The options of ``mode="local"`` (None in another mode, where passing any of them is
-        a ``ValueError``); ``ValueError`` / ``TypeError`` naming a bad value."""
-        given = {name: value for name, value in (("sync_every", sync_every), ("sync_delay", sync_delay),
-                 ("overlap", overlap), ("outer_optimizer", outer_optimizer)) if value is not None}  # fmt: skip
+        """The options of ``mode="local"`` (None in another mode, where passing any of them
+        other than at its default is a ``ValueError``); ``ValueError`` / ``TypeError`` naming
+        a bad value."""
+        defaults = (("sync_every", sync_every, DEFAULT_SYNC_EVERY), ("sync_delay", sync_delay, DEFAULT_SYNC_DELAY),
+                    ("overlap", overlap, DEFAULT_OVERLAP), ("outer_optimizer", outer_optimizer, None))  # fmt: skip
         if mode is not Mode.LOCAL:
+            given = [name for name, value, default in defaults if value is not None and value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} need mode='local' (this optimizer is mode={mode.value!r})")
             return None
         every = DEFAULT_SYNC_EVERY if sync_every is None else sync_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid sync_every: {sync_every!r} (an int >= 1: inner steps per outer round)")
-        delay = default_sync_delay(every) if sync_delay is None else sync_delay
-        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every:
+        delay = DEFAULT_SYNC_DELAY if sync_delay is None else sync_delay
+        if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every):
             raise ValueError(
-                f"Invalid sync_delay: {sync_delay!r} (an int in [0, sync_every={every}]: the inner steps an outer "
-                "round overlaps; 0 blocks)"
+                f"Invalid sync_delay: {sync_delay!r} (\"auto\", or an int in [0, sync_every={every}]: the inner steps "
+                "an outer round overlaps; 0 blocks)"
             )
-        chosen = parse_enum(Overlap, Overlap.DISCARD if overlap is None else overlap, "overlap")
+        chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
         if chosen is Overlap.DISCARD and delay == every:
             raise ValueError(
                 f"Invalid sync_delay: {delay} with overlap='discard': a round landing sync_every={every} steps after "

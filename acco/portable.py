@@ -159,6 +159,8 @@ def to_portable(
     meta = {
         key: value for key, value in first.items() if key not in ("rank", "world_size", "groups", "round", "buffers")
     }
+    if first.get("local") is not None:  # a loop's own per-rank state: every rank's, in rank order
+        meta["local"] = [s["acco"]["local"] for s in saved]
     meta["round"] = _scaled(round_sums([s["acco"]["round"] for s in saved]), replica_size)
     meta["groups"] = [
         {key: g[key] for key in ("optimizer_class", "param_dtype", "reduce_dtype")} for g in first["groups"]
@@ -218,6 +220,8 @@ def from_portable(
         group["params"] = list(range(start, start + len(live["params"])))
         start += len(live["params"])
     scalars = {k: v for k, v in meta.items() if k not in ("round", "groups")}
+    if isinstance(meta.get("local"), list):  # this rank's own at the saved number of ranks, else rank 0's
+        scalars["local"] = meta["local"][rank if len(meta["local"]) == world_size else 0]
     return {
         "state": {},
         "param_groups": plain_groups,

@@ -479,10 +479,6 @@ class ShardedGroup:
             torch._foreach_copy_(self._views(buffer), [p.detach() for p in self.locals()])
         return buffer
 
-    def gathered_views(self) -> list[Tensor]:
-        """Each parameter's slot of ``gathered``, in its (local) shape."""
-        return self._views(self.gathered)
-
     def add_params_from_buffer(self, handed_over: Tensor) -> None:
         """live parameters += ``gathered`` - ``handed_over`` (the parameters an outer round was
         handed, flat like the round's buffer): the progress made since stays on top of the new
@@ -519,6 +515,29 @@ class ShardedGroup:
         chunks = self.gathered.view(self.plan.world_size, -1)
         for chunk, row, scale in zip(chunks, rows, scales):
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
+
+    def flat_params(self) -> Tensor:
+        """A new tensor of the live parameters, flat and padded like the round's buffer, in
+        ``param_dtype``."""
+        values = torch.zeros(self.plan.padded_numel, dtype=self.param_dtype, device=self.device)
+        torch._foreach_copy_(self._views(values), [p.detach() for p in self.locals()])
+        return values
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's slot of a flat buffer laid out like the round's, in its (local) shape."""
+        return self._views(flat)
+
+    def load_params(self, flat: Tensor) -> None:
+        """Copy a flat buffer laid out like the round's into the live parameters."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in self.locals()], self._views(flat))
+
+    def live_values(self) -> list[Tensor]:
+        """Copies of the live parameters, or of those :meth:`set_live_aside` kept while the
+        model holds others (``eval()``)."""
+        if self._live_aside is not None:
+            return [value.clone() for value in self._live_aside]
+        return [p.detach().clone() for p in self.locals()]
 
     def set_live_aside(self) -> None:
         """Keep a copy of the live parameters (``eval()``, before loading the committed ones)."""

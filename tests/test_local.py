@@ -8,6 +8,7 @@ on a whole one-process copy of the snapshot. ``sync_delay=0`` is blocking DiLoCo
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -181,7 +182,8 @@ def memory_rank(layout: str) -> dict:
 def test_snapshot_and_outer_state_are_sharded(ranks, world_size) -> None:
     """Per rank: the snapshot and the outer momentum are one chunk (1/R of the model, fp32), the
     inner AdamW state is the whole model (this replica's own), and acco's model-size buffers are
-    the accumulator, the round's buffer and (overlap "keep") the parameters handed over."""
+    the accumulator, the round's buffer, the last landed global values (for eval() at any step)
+    and (overlap "keep") the parameters handed over."""
     results = ranks(world_size).run(memory_rank, "flat")
     numel = sum(p.numel() for p in make_model(hidden=61).parameters())
     for result in results:
@@ -192,6 +194,7 @@ def test_snapshot_and_outer_state_are_sharded(ranks, world_size) -> None:
         assert result["inner_state"] == 2 * 4 * numel  # exp_avg, exp_avg_sq of the whole replica
         sizes = result["bytes"]
         assert sizes["grad_accumulator"] == sizes["grad_handover"] == sizes["handed_over"] == 4 * padded
+        assert sizes["global_values"] == 4 * padded
         assert sizes["gathered"] == sizes["master_grad"] == sizes["estimate_copy"] == 0
 
 
@@ -252,7 +255,8 @@ def bad(**options) -> None:
     ({"mode": "local", "param_dtype": torch.bfloat16}, "param_dtype"),
     ({"mode": "local", "reduce_dtype": torch.float32}, "reduce_dtype"),
     ({"mode": "local", "overlap": "blend"}, "overlap: 'blend'"),
-    ({"mode": "local", "sync_every": 4, "sync_delay": 4}, "sync_delay: 4 with overlap='discard'"),
+    ({"mode": "local", "sync_every": 4, "sync_delay": 4, "overlap": "discard"}, "sync_delay: 4 with overlap='discard'"),
+    ({"mode": "local", "sync_delay": "soon"}, "sync_delay: 'soon'"),
     ({"mode": "local", "outer_optimizer": 3}, "outer_optimizer"),
     ({"mode": "acco", "sync_every": 8}, "sync_every need mode='local'"),
     ({"mode": "dpu", "outer_optimizer": torch.optim.SGD}, "outer_optimizer need mode='local'"),
@@ -283,7 +287,7 @@ def test_whole_tensor_outer_optimizer_refuses_a_flat_shard() -> None:
 
 def test_one_process_is_diloco_with_one_replica() -> None:
     """Without a process group (one replica) the mode still equals the recurrence."""
-    result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1})
+    result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1, "overlap": "discard"})
     assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1)[0])
 
 
@@ -298,7 +302,7 @@ def mesh_rank(inner: str, steps: int, delay: int) -> dict:
     model = build_inner(inner, mesh)
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=delay, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
+                        sync_delay=delay, overlap="discard", max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
     for t in range(steps):
         for i in range(2):
             loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
@@ -329,11 +333,170 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
 
 
 def test_defaults() -> None:
-    """sync_every 30, sync_delay sync_every // 2 (0 for sync_every 1), overlap "discard", DiLoCo's
-    outer Nesterov SGD: what measured best (docs/loops.md)."""
+    """sync_every 30, sync_delay "auto", overlap "keep" (every inner step counts), DiLoCo's outer
+    Nesterov SGD; typed defaults, which other modes accept as passed (a configurator's)."""
     opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
     local = opt.options.local
-    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 15, "discard")
+    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, "auto", "keep")
     assert opt.outer_optimizers[0].defaults["lr"] == 0.7 and opt.outer_optimizers[0].defaults["nesterov"]
     opt.finish()
-    assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1).options.local.sync_delay == 0
+    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="auto", overlap="keep")
+    assert same.options.local is None
+    same.finish()
+
+
+def auto_rank(steps: int) -> dict:
+    """sync_every 4, sync_delay "auto", the comm lane's all-gather held at a gate this test
+    opens: rounds launch after steps 4, 8 and 12; the record says after which steps each landed."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", sync_every=4)
+    gate = threading.Event()
+    comm = opt.lane_collectives  # test hook: the comm lane's own collectives
+    original = comm.all_gather
+
+    def gated(*args, **kwargs):
+        assert gate.wait(60), "the gate was never opened"
+        return original(*args, **kwargs)
+
+    comm.all_gather = gated
+    landed_after = []
+    for t in range(steps):
+        before = opt.outer_rounds
+        if t == 15:  # the third round: opened only once step 16 has begun
+            threading.Timer(0.5, gate.set).start()
+        inner_step(opt, model, t, rank, False)
+        if opt.outer_rounds != before:
+            landed_after.append(t + 1)
+        if t + 1 in (5, 8):  # the first round, still held after step 5, then the second just launched
+            gate.set()
+            opt.state_dict()  # waits for the round in flight to finish on the lane; it lands at the next step()
+        if t + 1 == 9:  # nothing in flight: the round launched after step 12 is held
+            gate.clear()
+    opt.finish()
+    return {"landed_after": landed_after, "params": params_of(model)}
+
+
+def test_auto_lands_a_round_at_the_first_step_after_it_is_done(ranks) -> None:
+    """sync_delay="auto": a round held on the lane does not land (step 5); once done it lands at the
+    very next step (6, and 9 for a round done right after its launch at 8); one still held
+    sync_every steps after its launch lands there, step 16 waiting for it; replicas end identical."""
+    results = ranks(2).run(auto_rank, 16)
+    for result in results:
+        assert result["landed_after"] == [6, 9, 16]
+    assert_identical_across_ranks(results)
+
+
+def eval_on_rank_zero(steps: int, evaluate_at: int | None) -> dict:
+    """A run of ``steps`` inner steps (sync_every 3, a round in flight for 2 steps); with
+    ``evaluate_at``, rank 0 alone calls eval() after that step, reads the model, and train()."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", sync_every=H, sync_delay=2, overlap="keep")
+    out: dict = {}
+    for t in range(steps):
+        inner_step(opt, model, t, rank, False)
+        if t == evaluate_at:
+            out["in_flight"] = opt.in_flight is not None
+            out["global"] = [v for group in opt.global_parameters() for v in group]
+            if rank == 0:
+                own = params_of(model)
+                opt.eval()
+                opt.eval()  # idempotent
+                out["evaluated"] = params_of(model)
+                opt.train()
+                out["restored"] = all(torch.equal(v, own[k]) for k, v in params_of(model).items())
+    opt.finish()
+    out["params"] = params_of(model)
+    return out
+
+
+def test_eval_on_one_rank_with_a_round_in_flight_gives_the_global_values_and_changes_nothing(ranks) -> None:
+    """opt.eval() on rank 0 alone, while an outer round is in flight: no collective, no hang; the
+    model holds the last landed global values (the same on both ranks), train() puts this
+    replica's parameters back, and the run ends bit for bit as the one without eval()."""
+    evaluated = ranks(2).run(eval_on_rank_zero, 8, 3)  # rounds launch after steps 3 and 6, land 2 later: one in flight after step 4
+    plain = ranks(2).run(eval_on_rank_zero, 8, None)
+    assert evaluated[0]["in_flight"] and evaluated[0]["restored"]
+    for mine, theirs in zip(evaluated[0]["global"], evaluated[1]["global"]):
+        assert torch.equal(mine, theirs)
+    names = list(evaluated[0]["evaluated"])
+    for name, value in zip(names, evaluated[0]["global"]):
+        assert torch.equal(evaluated[0]["evaluated"][name], value), name
+    for a, b in zip(evaluated, plain):
+        assert_params_equal(a["params"], b["params"])
+
+
+def step_after_eval() -> str:
+    model = make_model()
+    opt = build(model, "adamw", sync_every=H)
+    inner_step(opt, model, 0, 0, False)
+    opt.eval()
+    loss_fn(model, *micro_batch(1, 0, 0)).backward()
+    opt.accumulate()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        opt.close()
+    return ""
+
+
+def test_a_step_between_eval_and_train_is_refused() -> None:
+    assert "call opt.train() before the next forward pass" in step_after_eval()
+
+
+def consolidated_local(path: str, before: int, after: int, save: bool, pending: bool) -> dict:
+    """Inner steps ``before`` .. ``before + after`` of a 2-replica run (sync_every 3, sync_delay
+    2, keep: a round in flight at the save), saved by rank 0 after ``before`` steps with
+    consolidate_state_dict(to=0) (``save``) or loaded from that file into fresh processes.
+    ``pending``: one micro-batch of the next step is accumulated before the save."""
+    if not save:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = make_model(seed=rank + (0 if save else 7))
+    opt = build(model, "adamw", sync_every=H, sync_delay=2, overlap="keep")
+    data = step_data(before, rank)
+    if save:
+        for t in range(before):
+            inner_step(opt, model, t, rank, False)
+        if pending:
+            x, y, w = data[0]
+            loss_fn(model, x, y).backward()
+            opt.accumulate(w)
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        dist.barrier()
+    else:
+        checkpoint = torch.load(path, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+    in_flight = opt.in_flight is not None
+    for x, y, w in data[1 if pending else 0:]:
+        loss_fn(model, x, y).backward()
+        opt.accumulate(w)
+    opt.step()
+    for t in range(before + 1, before + after):
+        inner_step(opt, model, t, rank, False)
+    opt.finish()
+    return {"params": params_of(model), "in_flight": in_flight, "updates": opt.num_updates}
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_rank_zero_checkpoint_resumes_every_replica_exactly(ranks, tmp_path, pending) -> None:
+    """consolidate_state_dict(to=0) in local mode: rank 0's file holds every replica's parameters,
+    inner state, pending gradients and the round in flight; fresh processes at 2 replicas end bit
+    for bit as the uninterrupted run; at 3 every new replica starts from rank 0's (the documented
+    rule) and they end identical."""
+    from tests.ranks import run_fresh
+
+    path = str(tmp_path / "ckpt.pt")
+    uninterrupted = ranks(2).run(consolidated_local, path, 4, 5, True, pending)
+    resumed = run_fresh(consolidated_local, path, 4, 5, False, pending, world_size=2)
+    assert all(r["in_flight"] for r in resumed)
+    for a, b in zip(resumed, uninterrupted):
+        assert a["updates"] == b["updates"] == 9
+        assert_params_equal(a["params"], b["params"])
+    assert_identical_across_ranks(run_fresh(consolidated_local, path, 4, 5, False, pending, world_size=3))
