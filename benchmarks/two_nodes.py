@@ -639,7 +639,7 @@ def memory_table(data: dict[str, Any]) -> str:
             rows.append([name, f"skipped: {run['skipped']}"] + [""] * (len(KINDS) + 1))
             continue
         w = worst(run["per_rank"])
-        kinds = w["tensors"]["bytes"]
+        kinds = dict.fromkeys(KINDS, 0) | w["tensors"]["bytes"]  # runs saved before a kind existed hold none of it
         rows.append([name, *[f"{kinds[k] / MiB:.2f}" for k in KINDS], f"**{w['tensors']['total'] / MiB:.2f}**",
                      f"{max(r['peak_rss_added_bytes'] for r in run['per_rank']) / MiB:.0f}"])
         r, s = shape or (data["ranks"], 1)
