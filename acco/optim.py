@@ -168,7 +168,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
             rank's 1/R shard of the global values with the mean pseudo-gradient.
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
-            kept on top of the new global values (``"keep"``, default) or dropped
+            kept on top of the new global values (``"keep"``, default), kept and taken from
+            the replica moved by the last global update (``"estimate"``) or dropped
             (``"discard"``: every replica takes the new global values).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its

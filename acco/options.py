@@ -61,6 +61,9 @@ class Overlap(str, enum.Enum):
 
     DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
     KEEP = "keep"  # added on top of the new global values, counted in the next outer round (acco's default)
+    # Kept, and computed at an estimate of the new global values: at a launch the replica moves
+    # by the last global update (acco's look-ahead); the landing re-bases its progress on the real ones.
+    ESTIMATE = "estimate"
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and

@@ -104,15 +104,15 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A local-steps method's name, parsed: ``local-hH[-dD][-discard|-keep][-olrX]`` (acco
-    ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
+    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-olrX]``
+    (acco ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
     kind: str  # local, diloco or sdiloco
     sync_every: int
-    sync_delay: int | None = None  # None: the library's default (acco), 0 (torchft)
-    overlap: str | None = None  # acco: keep (default) or discard
+    sync_delay: int | str | None = None  # None: the library's default (acco), 0 (torchft); "auto"
+    overlap: str | None = None  # acco: keep (default), discard or estimate
     outer_lr: float = 0.7
     fragments: int = 2
 
@@ -125,8 +125,10 @@ class LocalSpec:
         try:
             spec = cls(kind, int(parts[0]))
             for part in parts[1:]:
-                if part in ("discard", "keep") and kind == "local":
+                if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
+                elif part == "dauto" and kind == "local":
+                    spec = dataclasses.replace(spec, sync_delay="auto")
                 elif part.startswith("olr"):
                     spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
                 elif part.startswith("d") and kind != "diloco":
@@ -599,7 +601,6 @@ class AccoLocalMethod(Method):
         self.sync_delay = self.local_opt.options.local.sync_delay
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.local_opt, schedule)
         self.inner_steps = 0
-        self._global: list[Tensor] | None = None
 
     def fold(self) -> None:
         self.local_opt.accumulate()
@@ -609,29 +610,19 @@ class AccoLocalMethod(Method):
         self.local_opt.step()
         self.scheduler.step()
         self.inner_steps += 1
-        if self.local_opt.outer_rounds == before:
-            return False
-        try:
-            self._global = [t for group in self.local_opt.global_parameters() for t in group]
-        except RuntimeError:  # sync_delay == sync_every: the next round has taken the buffer
-            self._global = None
-        return True
+        return self.local_opt.outer_rounds != before
 
     def ready(self) -> bool:
         return self.local_opt.ready()
 
     def finish(self) -> bool:
-        self._global = None
         return self.local_opt.finish()
 
     def eval_params(self, params: list[Tensor]) -> list[Tensor]:
-        """The global values the last outer round landed (the replicas' own parameters when
-        they are not available)."""
-        if self._global is None:
-            return [p.detach().clone() for p in params]
+        """The global values the last outer round landed (after ``finish()``: every replica's)."""
         order = [p for group in self.local_opt.param_groups for p in group["params"]]
-        by_id = {id(p): value for p, value in zip(order, self._global)}
-        return [by_id[id(p)].clone() for p in params]
+        by_id = {id(p): value for p, value in zip(order, [t for g in self.local_opt.global_parameters() for t in g])}
+        return [by_id[id(p)] for p in params]
 
     def round_stats(self) -> list[Any]:
         return list(self.local_opt.round_stats)

@@ -67,6 +67,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         help="the ready() loop's most micro-batches per round (then step() waits for the round in flight)")
     add("--seeds", type=int, nargs="+", default=[1337, 7])
     add("--budget", type=float, default=30.0, help="seconds of training per method (the clock's budget)")
+    add("--steps", type=int, default=None,
+        help="stop every method after this many rounds (local and DiLoCo methods: inner steps) instead, at equal "
+             "steps; the budget still caps the time")
     add("--eval-every", type=float, default=None, help="seconds between evaluations (default: budget / 8)")
     add("--eval-batches", type=int, default=32)
     add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
@@ -212,7 +215,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
                 follow_batch(method, args, scheduler, method.opt.committed_weight - committed_weight)
                 committed_weight = method.opt.committed_weight
         agreed = clock.exchange(now)
-        if clock.budget_reached(agreed, args.budget):
+        if clock.budget_reached(agreed, args.budget) or (args.steps is not None and rounds >= args.steps):
             break
         if agreed is not None and agreed >= next_eval:  # due at the next committed boundary
             due, next_eval = True, (math.floor(agreed / args.eval_every) + 1) * args.eval_every

@@ -94,11 +94,12 @@ def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     assert_params_close(results[0]["params"], reference[0])
 
 
-@pytest.mark.parametrize("overlap,delay", [("keep", 1), ("keep", 3), ("discard", 2)])
+@pytest.mark.parametrize("overlap,delay", [("keep", 1), ("keep", 3), ("discard", 2), ("estimate", 1), ("estimate", 3)])
 def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
     """With sync_delay > 0 the round lands `delay` inner steps after its launch: "keep" adds what
-    each replica learnt meanwhile to the new global values, "discard" drops it; both equal the
-    recurrence of docs/design.md on every rank, and every replica ends identical."""
+    each replica learnt meanwhile to the new global values, "discard" drops it, "estimate" keeps
+    it and takes the steps in flight from the replica moved by the last global update; each
+    equals the recurrence of docs/design.md on every rank, and every replica ends identical."""
     steps = 10
     results = ranks(2).run(run_rank, steps, "adamw", "flat", False, {"sync_every": H, "sync_delay": delay, "overlap": overlap})
     reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
@@ -112,13 +113,13 @@ def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
 
 
 def test_overlapped_recurrence_differs_from_blocking() -> None:
-    """The references themselves: the three rules give three different models (the tests above
-    would pass vacuously otherwise)."""
-    a = expected(2, 10, "adamw", sync_every=H, sync_delay=0)[0]
-    b = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="keep")[0]
-    c = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="discard")[0]
-    for one, other in ((a, b), (a, c), (b, c)):
-        assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-3
+    """The references themselves: blocking and the three rules give four different models (the
+    tests above would pass vacuously otherwise)."""
+    models = [expected(2, 10, "adamw", sync_every=H, sync_delay=0)[0]]
+    models += [expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap=rule)[0] for rule in ("keep", "discard", "estimate")]
+    for i, one in enumerate(models):
+        for other in models[i + 1:]:
+            assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-3
 
 
 def resume_rank(steps: int, stop: int, delay: int) -> dict:
