@@ -7,12 +7,12 @@ Every ``sync_every`` inner steps an *outer round* starts on the comm lane
 (:class:`OuterRunner`): the replicas' parameters are reduce-scattered, each rank subtracts
 their mean from its shard of the *snapshot* (the last global values, kept only as this rank's
 1/R shard, at full precision), steps that shard with the outer optimizer (its state 1/R too)
-and all-gathers the new global values. The round *lands* at the first inner step at which the
-comm lane has finished it (``sync_delay="auto"``, the default; at the latest ``sync_every``
-steps after its launch) or ``sync_delay`` inner steps after its launch: the replica takes the
-new global values, and what it learnt meanwhile is kept on top of them (``overlap="keep"``,
-the default) or dropped (``"discard"``). ``sync_delay=0`` is blocking DiLoCo. The
-recurrences: docs/design.md, "Local steps".
+and all-gathers the new global values. The round *lands* ``sync_delay`` inner steps after its
+launch (default ``sync_every // 2``), or with ``sync_delay="auto"`` at the first inner step at
+which the comm lane has finished it (at the latest ``sync_every`` steps after its launch): the
+replica takes the new global values, and what it learnt meanwhile is dropped
+(``overlap="discard"``, the default) or kept on top of them (``"keep"``). ``sync_delay=0`` is
+blocking DiLoCo. The recurrences: docs/design.md, "Local steps".
 
 :class:`LocalLoop` is the loop (:mod:`acco.loops` says what a loop is); :class:`InnerSteps`
 the inner update; :class:`LocalClock` when rounds launch and land; :class:`OuterRound` and
@@ -146,13 +146,7 @@ class LocalLoop(Loop):
         if clock.keeps_progress:
             if clock.handed_over is None:
                 clock.handed_over = [torch.empty_like(p) for p in params]
-            if clock.lookahead:  # overlap="estimate": handed_over holds the last global update u
-                for group, update in zip(self._groups, clock.handed_over):
-                    group.add_to_params(update)  # the steps in flight start at theta + u
-                torch._foreach_add_(clock.handed_over, params)  # what the landing re-bases: theta + u
-                clock.lookahead = False
-            else:
-                torch._foreach_copy_(clock.handed_over, params)
+            torch._foreach_copy_(clock.handed_over, params)
         round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
                             buffer_snapshot=self._buffer_snapshot(), params=params)  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
@@ -165,18 +159,14 @@ class LocalLoop(Loop):
         stats = self._schedule.wait(round_)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
-        estimate = keep and clock.options.overlap is Overlap.ESTIMATE
         with record_function("acco.load_params"):
             for number, group in enumerate(self._groups):
+                self.global_values[number].copy_(group.gathered)
                 if keep:
                     group.add_params_from_buffer(clock.handed_over[number])
                 else:
                     group.load_params_from_buffer()
-                if estimate:  # the global update this round made: the next launch's look-ahead
-                    torch.sub(group.gathered, self.global_values[number], out=clock.handed_over[number])
-                self.global_values[number].copy_(group.gathered)
             self._land_buffers(round_)
-        clock.lookahead = estimate
         clock.unsynced = keep
         clock.launched_at = None
         clock.outer_rounds += 1
@@ -455,10 +445,7 @@ class LocalClock:
         outer_rounds / skipped_outer_rounds: landed outer rounds, and those that changed
             nothing (NaN/inf in some replica's parameters with ``nonfinite="skip"``).
         handed_over: per param group, the parameters the round in flight was handed
-            (``overlap="keep"`` or ``"estimate"`` with a delay: what the landing subtracts;
-            with ``"estimate"`` plus the look-ahead), or None.
-        lookahead: ``overlap="estimate"``, between a landing and the next launch:
-            ``handed_over`` holds the global update that landing made.
+            (``overlap="keep"`` with a delay: what the landing subtracts), or None.
     """
 
     options: LocalOptions
@@ -468,7 +455,6 @@ class LocalClock:
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
-    lookahead: bool = False
 
     def lands_after(self, steps: int, done: bool) -> bool:
         """Whether the round in flight lands once ``steps`` inner steps are done (``done``:
@@ -486,7 +472,7 @@ class LocalClock:
     @property
     def keeps_progress(self) -> bool:
         """Whether a landing adds the progress made since the launch to the new global values."""
-        return self.options.overlap is not Overlap.DISCARD and self.options.overlaps
+        return self.options.overlap is Overlap.KEEP and self.options.overlaps
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (``handed_over`` is the optimizer's to save, per parameter)."""
@@ -496,11 +482,9 @@ class LocalClock:
             "unsynced": self.unsynced,
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
-            "lookahead": self.lookahead,
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
-        self.lookahead = bool(saved.get("lookahead", False))

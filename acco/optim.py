@@ -159,18 +159,17 @@ class AccoOptimizer(torch.optim.Optimizer):
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
         sync_every: ``local`` only: inner steps between outer rounds (default 30).
-        sync_delay: ``local`` only: when an outer round lands: ``"auto"`` (default) at the
-            first inner step at which the comm lane has finished it (at the latest
-            ``sync_every`` steps after its launch, waiting then if it must), or after a fixed
-            number of inner steps in ``[0, sync_every]`` (bit-for-bit reproducible; 0 is
-            blocking DiLoCo).
+        sync_delay: ``local`` only: when an outer round lands: after a fixed number of inner
+            steps in ``[0, sync_every]`` (bit-for-bit reproducible; 0 is blocking DiLoCo;
+            ``"half"``, the default: ``sync_every // 2``), or ``"auto"``: at the first inner
+            step at which the comm lane has finished it (at the latest ``sync_every`` steps
+            after its launch, waiting then if it must).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
             rank's 1/R shard of the global values with the mean pseudo-gradient.
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
-            kept on top of the new global values (``"keep"``, default), kept and taken from
-            the replica moved by the last global update (``"estimate"``) or dropped
-            (``"discard"``: every replica takes the new global values).
+            dropped (``"discard"``, default: every replica takes the new global values) or
+            kept on top of them (``"keep"``).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.

@@ -23,7 +23,7 @@ from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.quantize import check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -59,11 +59,8 @@ class Overlap(str, enum.Enum):
     """mode="local": what the inner steps taken while an outer round is in flight become
     when it lands (docs/design.md, "Local steps")."""
 
-    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
-    KEEP = "keep"  # added on top of the new global values, counted in the next outer round (acco's default)
-    # Kept, and computed at an estimate of the new global values: at a launch the replica moves
-    # by the last global update (acco's look-ahead); the landing re-bases its progress on the real ones.
-    ESTIMATE = "estimate"
+    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default; acco's)
+    KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -92,11 +89,13 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # mode="local": DiLoCo's outer optimizer (Charles et al., arXiv 2503.09799).
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
-# The inner steps an outer round overlaps: "auto" lands it at the first inner step at which
-# the comm lane has finished it (at the latest sync_every steps after its launch).
-AUTO = "auto"
-DEFAULT_SYNC_DELAY = AUTO
-DEFAULT_OVERLAP = "keep"
+# When an outer round lands: "auto" at the first inner step at which the comm lane has finished
+# it (at the latest sync_every steps after its launch); "half" sync_every // 2 inner steps after
+# its launch, with "discard" the pair that measured best (docs/loops.md, "Slow links: local
+# steps"); typed, so a configurator can override them.
+AUTO, HALF = "auto", "half"
+DEFAULT_SYNC_DELAY = HALF
+DEFAULT_OVERLAP = "discard"
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,8 @@ class LocalOptions:
     """The checked arguments of ``mode="local"`` (:mod:`acco.local`).
 
     Attributes:
-        sync_delay: inner steps from an outer round's launch to its landing, or ``"auto"``.
+        sync_delay: inner steps from an outer round's launch to its landing (``"half"``
+            resolved), or ``"auto"``.
     """
 
     sync_every: int
@@ -139,10 +139,12 @@ class LocalOptions:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid sync_every: {sync_every!r} (an int >= 1: inner steps per outer round)")
         delay = DEFAULT_SYNC_DELAY if sync_delay is None else sync_delay
+        if delay == HALF:
+            delay = every // 2
         if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every):
             raise ValueError(
-                f"Invalid sync_delay: {sync_delay!r} (\"auto\", or an int in [0, sync_every={every}]: the inner steps "
-                "an outer round overlaps; 0 blocks)"
+                f"Invalid sync_delay: {sync_delay!r} (\"auto\", \"half\" or an int in [0, sync_every={every}]: the "
+                "inner steps an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
         if chosen is Overlap.DISCARD and delay == every:

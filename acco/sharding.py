@@ -532,11 +532,6 @@ class ShardedGroup:
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.locals()], self._views(flat))
 
-    def add_to_params(self, flat: Tensor) -> None:
-        """live parameters += a flat buffer laid out like the round's."""
-        with torch.no_grad():
-            torch._foreach_add_([p.detach() for p in self.locals()], self._views(flat))
-
     def live_values(self) -> list[Tensor]:
         """Copies of the live parameters, or of those :meth:`set_live_aside` kept while the
         model holds others (``eval()``)."""

@@ -104,7 +104,7 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-olrX]``
+    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep][-olrX]``
     (acco ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
@@ -112,7 +112,7 @@ class LocalSpec:
     kind: str  # local, diloco or sdiloco
     sync_every: int
     sync_delay: int | str | None = None  # None: the library's default (acco), 0 (torchft); "auto"
-    overlap: str | None = None  # acco: keep (default), discard or estimate
+    overlap: str | None = None  # acco: discard (default) or keep
     outer_lr: float = 0.7
     fragments: int = 2
 
@@ -125,7 +125,7 @@ class LocalSpec:
         try:
             spec = cls(kind, int(parts[0]))
             for part in parts[1:]:
-                if part in ("discard", "keep", "estimate") and kind == "local":
+                if part in ("discard", "keep") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
                 elif part == "dauto" and kind == "local":
                     spec = dataclasses.replace(spec, sync_delay="auto")

@@ -207,10 +207,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     ``steps[t][m]``: replica m's micro-batches of inner step t. Replica m starts from ``init``
     with its own inner optimizer; after its update of step t (1-based count t + 1 = n):
     - a round launched at step n0 lands when n - n0 >= sync_delay: theta_m = x (+ theta_m -
-      handed_m with overlap "keep" or "estimate" and sync_delay > 0); with "estimate", u = the
-      new x minus the x landed before;
-    - at a launch with "estimate" and a u from the last landing, every replica moves by u
-      (after handing theta_m over) and handed_m becomes theta_m + u;
+      handed_m with overlap "keep" and sync_delay > 0);
     - when n % sync_every == 0: handed_m = theta_m; x = OuterOpt(x, x - mean_m theta_m) (the
       outer optimizer on a whole copy of x, with DiLoCo's Nesterov SGD by default); with
       sync_delay 0 it lands at once.
@@ -223,36 +220,23 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)))(x)
     in_flight: tuple[int, Params, list[Params]] | None = None  # (launched at, new x, handed)
     unsynced = False
-    landed = dict(init)  # the global values last landed
-    lookahead: Params | None = None  # "estimate": the global update the last landing made
 
     def launch(n: int) -> tuple[int, Params, list[Params]]:
-        nonlocal lookahead
         handed = [ref.params() for ref in replicas]
         with torch.no_grad():
             for i, name in enumerate(names):
                 x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
         outer_opt.step()
-        if lookahead is not None:  # each replica moves by it; the landing re-bases on handed + it
-            u, lookahead = lookahead, None
-            for ref in replicas:
-                ref.load({k: v + u[k] for k, v in ref.params().items()})
-            handed = [{k: h[k] + u[k] for k in h} for h in handed]
         return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, handed
 
     def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:
-        nonlocal landed, lookahead
         n0, new_x, handed = flight
-        keep = keep and n > n0
         for ref, own in zip(replicas, handed):
             now = ref.params()
             ref.load({k: new_x[k] + (now[k] - own[k]) if keep else new_x[k] for k in new_x})
-        if keep and overlap == "estimate":
-            lookahead = {k: new_x[k] - landed[k] for k in new_x}
-        landed = new_x
-        return keep
+        return keep and n > n0
 
-    keeps = overlap in ("keep", "estimate") and sync_delay > 0
+    keeps = overlap == "keep" and sync_delay > 0
     n = 0
     for step_data in steps:
         for ref, data in zip(replicas, step_data):
