@@ -50,8 +50,10 @@ def faulty_rank(fault: str, report: str) -> dict:
                         raise ValueError("a bug in rank 1's loop")
                     if fault == "killed":
                         os._exit(1)
-                    if fault == "stuck":
-                        time.sleep(FAULT_TIMEOUT + MARGIN + 5)
+                    if fault == "stuck":  # hung until rank 0 has reported what it saw (or long past its timeout)
+                        deadline = time.monotonic() + FAULT_TIMEOUT + MARGIN + 5
+                        while not Path(report).exists() and time.monotonic() < deadline:
+                            time.sleep(0.05)
                         return outcome
                 loss_fn(model, *micro_batch(r, rank, 0)).backward()
                 opt.accumulate()
