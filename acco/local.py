@@ -36,7 +36,7 @@ from acco.mesh import dtensor_like, is_dtensor
 from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.rounds import LaneRound
-from acco.runner import LaneWork
+from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
 from acco.telemetry import RoundStats
 
@@ -81,7 +81,7 @@ class LocalLoop(Loop):
         self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, *parts.lane_work_args())
         # Built after start-up: every rank holds rank 0's parameters, the first global values.
         self.global_values = [group.flat_params() for group in parts.groups]
-        self._eval_at: int | None = None  # the inner step eval() put the global values in the model at
+        self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
 
     @staticmethod
     def sharded_class(options: Options) -> type | None:
@@ -91,7 +91,7 @@ class LocalLoop(Loop):
     def step(self, inv_scale: Tensor | None) -> bool:
         """This replica's inner update, then the outer round in flight lands (once done, or
         ``sync_delay`` steps after its launch) and the next one starts (every ``sync_every``)."""
-        if self._eval_at is not None:
+        if self._evaluating:
             raise RuntimeError(
                 "step() between opt.eval() and opt.train(): the model holds the global values, not this replica's "
                 "parameters; call opt.train() before the next forward pass"
@@ -187,18 +187,16 @@ class LocalLoop(Loop):
         """Put the global values of the last landed round in the model, this replica's
         parameters set aside until :meth:`train`: on this rank alone, at any step, a round
         in flight or not (nothing waits, nothing is communicated)."""
-        if self._eval_at == self.clock.inner_steps:
+        if self._evaluating:
             return
-        self.train(restore=True)
-        self._eval_at = self.clock.inner_steps
+        self._evaluating = True
         with record_function("acco.load_params"):
             for group, values in zip(self._groups, self.global_values):
                 group.set_live_aside()
                 group.load_params(values)
 
     def train(self, restore: bool) -> None:
-        restore = restore and self._eval_at is not None
-        self._eval_at = None
+        restore, self._evaluating = restore and self._evaluating, False
         for group in self._groups:
             group.take_live_back(restore)
 
@@ -328,14 +326,11 @@ class OuterRunner(LaneWork):
                     torch.sub(snapshot, pseudo_grad, out=pseudo_grad)
             with record.phase(stats, "update"):
                 for group, outer, snapshot in zip(self._groups, self._outer, self._snapshot):
-                    if outer is not None:
-                        for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
-                            param.grad = grad
-                        outer.step()
-                    group.gather_input.copy_(snapshot)
-            self._all_gather(stats)
-            stats.collective_bytes = sum(p.nbytes for p in round_.params) + sum(g.gathered.nbytes for g in self._groups)
-            self._synchronise_buffers(round_)
+                    if outer is not None:  # the snapshot is the group's master shard
+                        step_shard(group, outer, {}, estimate=False)
+                    else:
+                        group.gather_input.copy_(snapshot)
+            self._gather_result(round_, round_.params)
         except Exception as error:
             raise self._failed(round_, error) from error
         record.lane_end(stats)

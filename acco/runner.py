@@ -27,7 +27,7 @@ from acco.options import NonFinite, Options, RoundKind
 from acco.rounds import CommLaneError, LaneRound, Round
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["LaneWork", "RoundRunner"]
+__all__ = ["LaneWork", "RoundRunner", "step_shard"]
 
 
 class LaneWork:
@@ -90,6 +90,16 @@ class LaneWork:
         self._synchronise_buffers(round_)
         self._recorder.lane_end(round_.stats)
         return round_.stats
+
+    def _gather_result(self, round_: LaneRound, sent: Sequence[Tensor] | None,
+                       delta_from: list[Tensor] | None = None) -> None:
+        """A round's end on the lane: every rank's updated shard all-gathered, the bytes of
+        ``sent`` (the reduce-scatter's inputs; None: a quantised round, not counted) and of
+        the gathered result recorded, the module buffers synchronised."""
+        self._all_gather(round_.stats, delta_from=delta_from)
+        if sent is not None:
+            round_.stats.collective_bytes = sum(t.nbytes for t in sent) + sum(g.gathered.nbytes for g in self._groups)
+        self._synchronise_buffers(round_)
 
     def _all_gather(self, stats: RoundStats, delta_from: list[Tensor] | None = None, unchanged: bool = False) -> None:
         """Every rank's ``gather_input`` into ``gathered``. With ``delta_from`` (the light
@@ -176,13 +186,10 @@ class RoundRunner(LaneWork):
                 masters = [group.prepare_master() for group in self._groups]
                 for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
                     if base is not None:
-                        _step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
+                        step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
                     else:
                         group.gather_input.copy_(group.master)
-            self._all_gather(stats, delta_from=masters if light else None)
-            if not light:
-                stats.collective_bytes = sum(g.nbytes for g in round_.grads) + sum(g.gathered.nbytes for g in self._groups)
-            self._synchronise_buffers(round_)
+            self._gather_result(round_, None if light else round_.grads, delta_from=masters if light else None)
         except Exception as error:
             raise self._failed(round_, error) from error
         record.lane_end(stats)
@@ -252,9 +259,9 @@ class RoundRunner(LaneWork):
         return norm
 
 
-def _step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool) -> None:
-    """Run the base optimizer on this rank's shard into ``gather_input``; an estimate
-    leaves the master shard and the optimizer state as it found them."""
+def step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool) -> None:
+    """Run an optimizer on this rank's shard (the master shard, with ``master_grad``) into
+    ``gather_input``; an estimate leaves the master shard and the optimizer state as it found them."""
     base.param_groups[0].update(hyperparams)
     for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
         param.grad = grad

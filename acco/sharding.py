@@ -489,9 +489,7 @@ class ShardedGroup:
 
     def initial_values(self) -> Tensor:
         """The live parameters as one padded flat buffer in the master dtype."""
-        values = torch.zeros(self.plan.padded_numel, dtype=self.master_dtype, device=self.device)
-        torch._foreach_copy_(self._views(values), [p.detach() for p in self.locals()])
-        return values
+        return self.flat_params(self.master_dtype)
 
     def set_initial_values(self, values: Tensor) -> None:
         """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
@@ -516,10 +514,10 @@ class ShardedGroup:
         for chunk, row, scale in zip(chunks, rows, scales):
             chunk.copy_(dequantize_row(row, scale).add_(chunk))
 
-    def flat_params(self) -> Tensor:
+    def flat_params(self, dtype: torch.dtype | None = None) -> Tensor:
         """A new tensor of the live parameters, flat and padded like the round's buffer, in
-        ``param_dtype``."""
-        values = torch.zeros(self.plan.padded_numel, dtype=self.param_dtype, device=self.device)
+        ``dtype`` (default ``param_dtype``)."""
+        values = torch.zeros(self.plan.padded_numel, dtype=dtype or self.param_dtype, device=self.device)
         torch._foreach_copy_(self._views(values), [p.detach() for p in self.locals()])
         return values
 
@@ -528,7 +526,8 @@ class ShardedGroup:
         return self._views(flat)
 
     def load_params(self, flat: Tensor) -> None:
-        """Copy a flat buffer laid out like the round's into the live parameters."""
+        """Copy a flat buffer laid out like the round's into the live parameters (in place:
+        a DTensor's local tensor)."""
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.locals()], self._views(flat))
 
@@ -557,8 +556,7 @@ class ShardedGroup:
         round's gradients. DTensor parameters are written in place in their local tensors,
         which FSDP2's next all-gather reads.
         """
-        with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in self.locals()], self._views(self.gathered))
+        self.load_params(self.gathered)
         if not self.double_buffered:
             self.grad_accumulator.zero_()
 
