@@ -284,6 +284,14 @@ class Collectives:
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(output, input, group=self.group)
 
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Row ``r`` of ``input`` (2-D, one row per rank) to rank ``r``; row ``r`` of
+        ``output`` from rank ``r``. Raw bytes travel (any dtype, uint8 included)."""
+        if not self.active:
+            output.copy_(input)
+            return
+        dist.all_to_all_single(output, input, group=self.group)
+
     def reduce_scatter_quantized(self, output: Tensor, input: Tensor, dtype: torch.dtype) -> None:
         """As :meth:`reduce_scatter_sum`, the chunks travelling in ``dtype`` (one scale per
         chunk for float8) and summed in fp32 on arrival; for the light estimate round.

@@ -30,17 +30,19 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from acco.collectives import Collectives
 from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor
 from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
+from acco.quantize import BlockCodec, RowBlocks
 from acco.rounds import LaneRound
 from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
 from acco.telemetry import RoundStats
 
-__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner"]
+__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner", "QuantizedLegs"]
 
 
 class LocalLoop(Loop):
@@ -78,9 +80,13 @@ class LocalLoop(Loop):
         ]
         self.inner = InnerSteps(parts.param_groups, parts.groups, parts.optimizer_class, parts.defaults)
         self.clock = LocalClock(local)
-        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, *parts.lane_work_args())
         # Built after start-up: every rank holds rank 0's parameters, the first global values.
         self.global_values = [group.flat_params() for group in parts.groups]
+        self.residuals = None
+        if local.error_feedback:
+            self.residuals = [torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in parts.groups]
+        legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values, self.residuals)
+        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args())
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
 
     @staticmethod
@@ -231,6 +237,8 @@ class LocalLoop(Loop):
             "accumulators": [per_param(g.plan, g.grad_accumulator) for g in self._groups],
             "round_weight": self._schedule.current.total(),
             "round_micro_batches": self._schedule.current.micro_batches,
+            "replicas": self.lane_work.replicas,
+            "residuals": None if self.residuals is None else [per_param(g.plan, r) for g, r in zip(self._groups, self.residuals)],
         }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
@@ -249,15 +257,32 @@ class LocalLoop(Loop):
             for group, values in zip(self._groups, saved["accumulators"]):
                 group.grad_accumulator.copy_(full(group.plan, values, group.reduce_dtype))
         self._schedule.put_back_round_weights(WeightSum(float(saved["round_weight"]), None, int(saved["round_micro_batches"])))
+        if self.residuals is not None:
+            self._load_residuals(saved)
+
+    def _load_residuals(self, saved: dict[str, Any]) -> None:
+        """This replica's residuals; zero when the state holds none (saved without error
+        feedback) or another replica's (saved at another number of replicas, where rank 0's
+        part is every rank's: its residual would count R times). What is dropped is less than
+        one quantisation step of each value of the last pseudo-gradient sent."""
+        if saved.get("residuals") is None or saved.get("replicas") != self.lane_work.replicas:
+            for residual in self.residuals:
+                residual.zero_()
+            return
+        with torch.no_grad():
+            for group, values, target in zip(self._groups, saved["residuals"], self.residuals):
+                target.copy_(full(group.plan, values, torch.float32))
 
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Adds ``handed_over`` (the parameters the round in flight was handed, with
-        ``overlap="keep"``) and ``global_values``; ``master`` is the snapshot's shard."""
+        ``overlap="keep"``), ``global_values`` and ``outer_residual`` (``outer_bits`` below
+        16 with error feedback); ``master`` is the snapshot's shard."""
         sizes = super().buffer_bytes()
         handed = self.clock.handed_over
         for number, entry in enumerate(sizes):
             entry["handed_over"] = 0 if handed is None else handed[number].nbytes
             entry["global_values"] = self.global_values[number].nbytes
+            entry["outer_residual"] = 0 if self.residuals is None else self.residuals[number].nbytes
         return sizes
 
 
@@ -283,6 +308,8 @@ class OuterRunner(LaneWork):
         groups: each param group's buffers.
         outer_optimizers: each group's outer optimizer on the snapshot's shard (or None).
         snapshot: each group's snapshot shard.
+        legs: the two legs below 32 bits (``outer_bits``), or None: parameters reduce-scattered
+            and global values all-gathered at full precision.
         *args, **kwargs: the rest of :class:`~acco.runner.LaneWork`'s.
     """
 
@@ -291,15 +318,17 @@ class OuterRunner(LaneWork):
         groups: Sequence[ShardedGroup],
         outer_optimizers: Sequence[torch.optim.Optimizer | None],
         snapshot: Sequence[Tensor],
+        legs: QuantizedLegs | None,
         *args: Any,
         **kwargs: Any,
     ) -> None:
         super().__init__(groups, *args, **kwargs)
         self._outer = list(outer_optimizers)
         self._snapshot = list(snapshot)
+        self._legs = legs
         # Each replica group's ranks hand over the same parameters' pieces once: a replica
         # counts once in the mean.
-        self._replicas = self._mesh_comm.world_size // self._replica_size
+        self.replicas = self._mesh_comm.world_size // self._replica_size
 
     def run(self, round_: OuterRound) -> RoundStats:
         """One outer round.
@@ -310,7 +339,7 @@ class OuterRunner(LaneWork):
         """
         stats, record = round_.stats, self._recorder
         record.lane_start(stats)
-        stats.update_weight = float(self._replicas)
+        stats.update_weight = float(self.replicas)
         try:
             with record.phase(stats, "totals"):
                 nonfinite = self._count_nonfinite(round_.params)
@@ -318,11 +347,18 @@ class OuterRunner(LaneWork):
                 if self._options.nonfinite is NonFinite.RAISE:
                     raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
                 return self._skip(round_)
+            legs, sent = self._legs, 0
             with record.phase(stats, "reduce-scatter"):
-                for group, params, snapshot in zip(self._groups, round_.params, self._snapshot):
+                for number, (group, params, snapshot) in enumerate(zip(self._groups, round_.params, self._snapshot)):
+                    pseudo_grad = group.master_grad
+                    if legs is not None:  # the replicas' decoded pseudo-gradients, summed in fp32
+                        total, nbytes = legs.reduce(self._comm, group, number, params)
+                        torch.div(total, float(self.replicas), out=pseudo_grad)
+                        sent += nbytes
+                        continue
                     self._comm.reduce_scatter_sum(group.grad_shard, params)
-                    pseudo_grad = group.master_grad  # the snapshot minus the replicas' mean
-                    torch.div(group.grad_shard, float(self._replicas), out=pseudo_grad)
+                    # The snapshot minus the replicas' mean.
+                    torch.div(group.grad_shard, float(self.replicas), out=pseudo_grad)
                     torch.sub(snapshot, pseudo_grad, out=pseudo_grad)
             with record.phase(stats, "update"):
                 for group, outer, snapshot in zip(self._groups, self._outer, self._snapshot):
@@ -330,11 +366,30 @@ class OuterRunner(LaneWork):
                         step_shard(group, outer, {}, estimate=False)
                     else:
                         group.gather_input.copy_(snapshot)
-            self._gather_result(round_, round_.params)
+            if legs is None:
+                self._gather_result(round_, round_.params)
+            else:
+                with record.phase(stats, "all-gather"):
+                    for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
+                        sent += legs.gather(self._comm, group, number, snapshot)
+                stats.collective_bytes = sent
+                self._synchronise_buffers(round_)
         except Exception as error:
             raise self._failed(round_, error) from error
         record.lane_end(stats)
         return stats
+
+    def replay(self, round_: LaneRound) -> RoundStats:
+        """A round re-created from a checkpoint: the gather leg again (below 32 bits from the
+        restored master shards and copy, so it sends what the saved run sent)."""
+        if self._legs is None:
+            return super().replay(round_)
+        self._recorder.lane_start(round_.stats)
+        with self._recorder.phase(round_.stats, "all-gather"):
+            for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
+                self._legs.gather(self._comm, group, number, snapshot)
+        self._recorder.lane_end(round_.stats)
+        return round_.stats
 
     def _count_nonfinite(self, params: Sequence[Tensor]) -> int:
         """How many ranks hand over NaN or inf (0 on every rank when none does)."""
@@ -343,6 +398,98 @@ class OuterRunner(LaneWork):
         if not self._device_hooks.host_copy(flag)(self._options.timeout.total_seconds()).item():
             return 0
         return self._confirm_nonfinite(params)
+
+
+class QuantizedLegs:
+    """An outer round's two legs below 32 bits (``outer_bits``; docs/design.md, "Lighter
+    outer rounds"). Differences travel, never raw parameters, each encoded per block by a
+    :class:`~acco.quantize.BlockCodec`:
+
+    - reduce: each rank's pseudo-gradient, the global values it holds minus its parameters
+      (plus its residual: what quantising the previous ones dropped), one encoded row per
+      destination chunk in one all-to-all; each owner decodes the rows of its chunk and sums
+      them in fp32;
+    - gather: each owner's new master shard minus the copy of it every rank holds, encoded
+      and all-gathered; every rank adds the decoded rows to its copy.
+
+    So the copies (``global_values``) are identical on every rank, and each round's gather
+    carries the last one's rounding error along: they stay within one quantisation step of
+    the master shards, which keep full precision, as the outer optimizer's state does.
+
+    Args:
+        codec: the encoding of both legs.
+        global_values: per param group, the copy of the global values this rank holds (read
+            here; the loop writes it at a landing).
+        residuals: per param group, this rank's residual (fp32, flat like the round's
+            buffer), or None: no error feedback.
+    """
+
+    def __init__(self, codec: BlockCodec, global_values: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> None:
+        self._codec = codec
+        self._global_values = global_values
+        self._residuals = residuals
+        self._rows: dict[int, list[RowBlocks]] = {}  # per param group: each rank's row
+
+    def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor) -> tuple[Tensor, int]:
+        """The sum over ranks of the decoded pseudo-gradients of this rank's chunk (fp32, a
+        new tensor), and the bytes this rank sent (one row per rank, its own included).
+        ``params`` (the round's buffer) may be overwritten."""
+        codec, rows = self._codec, self._rows_of(group, number)
+        if self._residuals is not None:
+            payload = self._residuals[number]
+            payload.add_(self._global_values[number]).sub_(params)
+        else:
+            payload = params if params.dtype == torch.float32 else torch.empty(params.shape, dtype=torch.float32, device=params.device)
+            torch.sub(self._global_values[number], params, out=payload)
+        chunks = payload.view(group.plan.world_size, group.plan.chunk)
+        encoded = self._empty_rows(rows, payload.device)
+        for chunk, blocks, target in zip(chunks, rows, encoded):
+            sent = codec.encode(chunk, blocks)
+            target[: sent.numel()].copy_(sent)
+            if self._residuals is not None:  # what was sent leaves the residual
+                chunk.sub_(codec.decode(sent, blocks))
+        received = torch.empty_like(encoded)
+        comm.all_to_all(received, encoded)
+        own = rows[group.rank]
+        total = torch.zeros(group.plan.chunk, dtype=torch.float32, device=params.device)
+        for row in received:
+            total.add_(codec.decode(row, own))
+        return total, encoded.nbytes
+
+    def gather(self, comm: Collectives, group: ShardedGroup, number: int, master: Tensor) -> int:
+        """Every rank's ``gathered`` = its copy of the global values + every owner's decoded
+        update of it; returns the bytes received."""
+        codec, plan, rows = self._codec, group.plan, self._rows_of(group, number)
+        values = self._global_values[number]
+        start, stop = plan.rank_range(group.rank)
+        sent = codec.encode(master.float().sub(values[start:stop]), rows[group.rank])
+        received = self._empty_rows(rows, sent.device)
+        mine = received[group.rank].clone()
+        mine[: sent.numel()].copy_(sent)
+        comm.all_gather(received.view(-1), mine)
+        copies = values.view(plan.world_size, -1)
+        for target, row, blocks, copy in zip(group.gathered.view(plan.world_size, -1), received, rows, copies):
+            target.copy_(codec.decode(row, blocks).add_(copy))
+        return received.nbytes
+
+    def _rows_of(self, group: ShardedGroup, number: int) -> list[RowBlocks]:
+        """Each rank's row of the group's flat buffer as blocks (the same on every rank)."""
+        if number not in self._rows:
+            plan, rows = group.plan, []
+            for rank in range(plan.world_size):
+                first, last = plan.rank_range(rank)
+                pieces = [(max(s.offset, first) - first, min(s.offset + s.numel, last) - first)
+                          for s in sorted(plan.slots, key=lambda s: s.offset)
+                          if s.numel and s.offset < last and s.offset + s.numel > first]  # fmt: skip
+                rows.append(RowBlocks(pieces, plan.chunk, self._codec.block, group.device))
+            self._rows[number] = rows
+        return self._rows[number]
+
+    def _empty_rows(self, rows: Sequence[RowBlocks], device: torch.device) -> Tensor:
+        """One row of bytes per rank, as long as the longest encoded row (collectives move
+        rows of one length)."""
+        width = max(self._codec.row_bytes(blocks) for blocks in rows)
+        return torch.zeros((len(rows), width), dtype=torch.uint8, device=device)
 
 
 class InnerSteps:

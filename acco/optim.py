@@ -34,6 +34,8 @@ from acco.loops import Loop, LoopParts, UpdateCounts, loop_classes
 from acco.mesh import InnerMesh, placeholder_state
 from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
+    DEFAULT_OUTER_BITS,
+    DEFAULT_OUTER_ERROR_FEEDBACK,
     DEFAULT_OVERLAP,
     DEFAULT_SYNC_DELAY,
     DEFAULT_SYNC_EVERY,
@@ -170,6 +172,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
             dropped (``"discard"``, default: every replica takes the new global values) or
             kept on top of them (``"keep"``).
+        outer_bits: ``local`` only: bits per value an outer round sends on each leg, scales
+            included: 32 (fp32, default), 16 (bf16), 8 or 4 (integers, a bf16 scale per 64).
+        outer_error_feedback: ``local`` only, below 16 bits: what quantising a pseudo-gradient
+            dropped is sent with the next (default True; one model size in fp32 per rank).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -217,6 +223,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         sync_delay: int | str = DEFAULT_SYNC_DELAY,
         outer_optimizer: Any = None,
         overlap: str = DEFAULT_OVERLAP,
+        outer_bits: int = DEFAULT_OUTER_BITS,
+        outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -225,6 +233,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
+            outer_bits=outer_bits, outer_error_feedback=outer_error_feedback,
         )  # fmt: skip
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
-from acco.quantize import check_estimate_dtype
+from acco.quantize import OUTER_BITS, check_estimate_dtype
 
 __all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
 
@@ -96,6 +96,10 @@ DEFAULT_SYNC_EVERY = 30
 AUTO, HALF = "auto", "half"
 DEFAULT_SYNC_DELAY = HALF
 DEFAULT_OVERLAP = "discard"
+# Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"; chosen by
+# benchmarks/outer_bits.py), and whether below 16 what quantisation dropped is sent later.
+DEFAULT_OUTER_BITS = 32
+DEFAULT_OUTER_ERROR_FEEDBACK = True
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,13 @@ class LocalOptions:
     overlap: Overlap
     outer_optimizer: Callable[..., torch.optim.Optimizer]
     outer_class: type
+    outer_bits: int = DEFAULT_OUTER_BITS
+    outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK
+
+    @property
+    def error_feedback(self) -> bool:
+        """Each rank keeps what quantising its pseudo-gradient dropped (below 16 bits)."""
+        return self.outer_error_feedback and self.outer_bits < 16
 
     @property
     def auto_delay(self) -> bool:
@@ -124,14 +135,18 @@ class LocalOptions:
         return self.sync_delay != 0
 
     @classmethod
-    def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any) -> LocalOptions | None:
+    def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any,
+              outer_bits: Any = DEFAULT_OUTER_BITS, outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
+              ) -> LocalOptions | None:  # fmt: skip
         """The options of ``mode="local"`` (None in another mode, where passing any of them
         other than at its default is a ``ValueError``); ``ValueError`` / ``TypeError`` naming
         a bad value."""
         defaults = (("sync_every", sync_every, DEFAULT_SYNC_EVERY), ("sync_delay", sync_delay, DEFAULT_SYNC_DELAY),
-                    ("overlap", overlap, DEFAULT_OVERLAP), ("outer_optimizer", outer_optimizer, None))  # fmt: skip
+                    ("overlap", overlap, DEFAULT_OVERLAP), ("outer_optimizer", outer_optimizer, None),
+                    ("outer_bits", outer_bits, DEFAULT_OUTER_BITS),
+                    ("outer_error_feedback", outer_error_feedback, DEFAULT_OUTER_ERROR_FEEDBACK))  # fmt: skip
         if mode is not Mode.LOCAL:
-            given = [name for name, value, default in defaults if value is not None and value != default]
+            given = [f"{name}={value!r}" for name, value, default in defaults if value is not None and value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} need mode='local' (this optimizer is mode={mode.value!r})")
             return None
@@ -162,7 +177,14 @@ class LocalOptions:
         if not isinstance(probe, torch.optim.Optimizer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} built a {type(probe).__name__}, not a torch.optim.Optimizer")
         check_optimizer_class(type(probe))
-        return cls(every, delay, chosen, outer, type(probe))
+        if isinstance(outer_bits, bool) or outer_bits not in OUTER_BITS:
+            raise ValueError(
+                f"Invalid outer_bits: {outer_bits!r} (one of {', '.join(map(str, OUTER_BITS))}: bits per value an outer "
+                "round sends, scales included)"
+            )
+        if not isinstance(outer_error_feedback, bool):
+            raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
+        return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback)
 
 
 @dataclass(frozen=True)
@@ -198,6 +220,8 @@ class Options:
         sync_delay: Any = None,
         overlap: Any = None,
         outer_optimizer: Any = None,
+        outer_bits: Any = DEFAULT_OUTER_BITS,
+        outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
         is checked, not kept)."""
@@ -215,7 +239,8 @@ class Options:
             raise ValueError(
                 f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
             )
-        local = LocalOptions.check(checked_mode, sync_every, sync_delay, overlap, outer_optimizer)
+        local = LocalOptions.check(checked_mode, sync_every, sync_delay, overlap, outer_optimizer, outer_bits,
+                                   outer_error_feedback)  # fmt: skip
         if local is not None:
             for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
                 if dtype is not None:
@@ -239,7 +264,7 @@ class Options:
     def fingerprint(self) -> str:
         """What every rank must have chosen alike, as text (checked at start-up)."""
         local = self.local and (self.local.sync_every, self.local.sync_delay, self.local.overlap.value,
-                                self.local.outer_class.__name__)  # fmt: skip
+                                self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback)  # fmt: skip
         return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])
 
     @property

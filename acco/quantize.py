@@ -1,17 +1,26 @@
-"""Row-wise quantisation for the light estimate round (``estimate_dtype=``).
+"""Quantisation: rows of the light estimate round (``estimate_dtype=``), and the block codec
+of ``mode="local"``'s outer rounds (``outer_bits=``).
 
 A row is what one rank sends to (reduce-scatter) or receives from (all-gather) one other
-rank. 16-bit types are a plain cast. float8 types get one fp32 scale per row, so the row's
-largest magnitude maps to the type's largest finite value (float8 has no infinities to
-absorb an overflow: e4m3fn turns it into NaN).
+rank. For the estimate round, 16-bit types are a plain cast, float8 types get one fp32 scale
+per row, so the row's largest magnitude maps to the type's largest finite value (float8 has
+no infinities to absorb an overflow: e4m3fn turns it into NaN).
+
+An outer round's rows go through :class:`BlockCodec`: a row of fp32 values becomes a row of
+bytes (the values, then their scales), so one collective of ``uint8`` carries both.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["check_estimate_dtype", "dequantize_row", "needs_scale", "quantize_rows"]
+__all__ = ["OUTER_BITS", "BlockCodec", "RowBlocks", "check_estimate_dtype", "dequantize_row", "needs_scale", "quantize_rows"]
+
+# What an outer round may send per value (docs/design.md, "Lighter outer rounds").
+OUTER_BITS = (32, 16, 8, 4)
 
 
 def needs_scale(dtype: torch.dtype) -> bool:
@@ -57,3 +66,95 @@ def quantize_rows(rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 def dequantize_row(row: Tensor, scale: Tensor) -> Tensor:
     """One row back in fp32 (a new tensor)."""
     return row.float() * scale
+
+
+class RowBlocks:
+    """Where one row's blocks take their values: every parameter's piece of the row is cut
+    into blocks of its own from the piece's start, so a block never mixes two tensors (whose
+    magnitudes differ) and a parameter's blocks depend only on its own values; the row's
+    padding is not sent.
+
+    Args:
+        pieces: ``(start, stop)`` of each parameter's piece of the row, in order.
+        length: the row's length.
+        block: values per block.
+        device: where the index lives.
+    """
+
+    def __init__(self, pieces: list[tuple[int, int]], length: int, block: int, device: torch.device) -> None:
+        parts = [torch.empty(0, dtype=torch.long)]
+        for start, stop in pieces:
+            positions = torch.arange(start, start + math.ceil((stop - start) / block) * block)
+            parts.append(positions.masked_fill_(positions >= stop, length))  # padding reads the zero after the row
+        index = torch.cat(parts)
+        self.length = length
+        self.blocks = index.numel() // block
+        self.index = index.to(device)
+
+
+class BlockCodec:
+    """Rows of values as rows of bytes: ``bits`` per value (16: bf16; 8: int8; 4: int4, two
+    per byte), and below 16 one bf16 scale per block of ``block`` values (symmetric: the
+    block's largest magnitude maps to the largest level, 127 or 7; round half to even);
+    :class:`RowBlocks` says which values form each block.
+
+    Integers rather than float8 / fp4 at equal bytes: on the outer rounds' pseudo-gradients
+    they lose less (benchmarks/outer_bits.py, "formats"). bf16 scales rather than fp32: the
+    same range, and half the bytes, so blocks of 64 cost 0.25 bits per value (int4 4.25 bits,
+    0.133 of fp32; int8 8.25, 0.258). A block's scale is rounded to bf16 before its values
+    are divided by it, so decoding is exact arithmetic on what was sent.
+
+    Args:
+        bits: 16, 8 or 4.
+        block: values per scale (even).
+    """
+
+    def __init__(self, bits: int, block: int = 64) -> None:
+        if bits not in (16, 8, 4):
+            raise ValueError(f"Invalid bits: {bits!r} (16, 8 or 4)")
+        if block < 2 or block % 2:
+            raise ValueError(f"Invalid block: {block!r} (an even number of values per scale)")
+        self.bits = bits
+        self.block = block
+        self.levels = (1 << (bits - 1)) - 1  # 127 or 7; unused for 16 bits
+
+    def row_bytes(self, blocks: RowBlocks) -> int:
+        """Bytes of one encoded row."""
+        if self.bits == 16:
+            return 2 * blocks.length
+        return blocks.blocks * (self.block * self.bits // 8 + 2)
+
+    def encode(self, row: Tensor, blocks: RowBlocks) -> Tensor:
+        """``row`` (1-D, floating) as a new ``uint8`` tensor of :meth:`row_bytes`."""
+        if self.bits == 16:
+            return row.to(torch.bfloat16).view(torch.uint8)
+        padded = torch.cat([row.float(), row.new_zeros(1, dtype=torch.float32)])[blocks.index]
+        padded = padded.view(blocks.blocks, self.block)
+        scales = (padded.abs().amax(dim=1) / self.levels).to(torch.bfloat16)
+        # A zero block (or one too small for a normal bf16 scale) keeps scale 0: its values
+        # decode to zero, never to NaN (0 / 0).
+        divisor = torch.where(scales > 0, scales.float(), 1.0)
+        levels = padded.div_(divisor[:, None]).round_().clamp_(-self.levels, self.levels)
+        if self.bits == 4:
+            nibbles = (levels.to(torch.int16) + 8).to(torch.uint8).view(-1, 2)  # stored as level + 8
+            values = nibbles[:, 0] | (nibbles[:, 1] << 4)  # low nibble first
+        else:
+            values = levels.to(torch.int8).view(torch.uint8).view(-1)
+        return torch.cat([values, scales.view(torch.uint8)])
+
+    def decode(self, row: Tensor, blocks: RowBlocks) -> Tensor:
+        """One encoded row (its first :meth:`row_bytes`) back as fp32 values, the row's
+        padding zero (a new tensor)."""
+        if self.bits == 16:
+            return row[: 2 * blocks.length].view(torch.bfloat16).float()
+        payload = blocks.blocks * self.block * self.bits // 8
+        scales = row[payload : payload + 2 * blocks.blocks].view(torch.bfloat16).float()
+        values = row[:payload]
+        if self.bits == 4:
+            values = torch.stack([values & 0xF, values >> 4], dim=-1).view(-1).to(torch.int16) - 8
+        else:
+            values = values.view(torch.int8)
+        decoded = values.float().view(blocks.blocks, self.block).mul_(scales[:, None])
+        out = torch.zeros(blocks.length + 1, dtype=torch.float32, device=row.device)
+        out[blocks.index] = decoded.view(-1)  # padding lands on the extra last value, dropped
+        return out[: blocks.length]

@@ -8,6 +8,7 @@ data each rank saw.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -192,6 +193,44 @@ def acco_reference(init: Params, optimizer: str | OptimizerFactory, rounds: Sequ
     return ref.params()
 
 
+def flat(tensors: Sequence[Tensor], size: int) -> Tensor:
+    """``tensors`` back to back, zero padded to ``size`` (fp32)."""
+    out = torch.zeros(size)
+    values = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    out[: values.numel()] = values
+    return out
+
+
+def unflat(values: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    out, start = [], 0
+    for shape in shapes:
+        out.append(values[start : start + shape.numel()].view(shape).clone())
+        start += shape.numel()
+    return out
+
+
+def quantised(values: Tensor, bits: int, sizes: Sequence[int], row: int, block: int = 64) -> Tensor:
+    """``values`` (the flat layout's padded buffer, fp32) as an outer round of
+    ``outer_bits=bits`` delivers them (docs/design.md, "Lighter outer rounds"): 16 is bf16;
+    8 and 4 are integer levels in [-L, L] (L = 127, 7) times one scale per block, the block's
+    largest magnitude over L rounded to bf16, levels rounded half to even, a block whose scale
+    is 0 being 0. Blocks of ``block`` values start at each parameter's first value (``sizes``:
+    the parameters', back to back) and again at each row's (one row per replica, ``row``
+    values); the padding is 0."""
+    if bits == 16:
+        return values.bfloat16().float()
+    levels = 2 ** (bits - 1) - 1
+    out = torch.zeros_like(values)
+    cuts = sorted(c for c in {0, *itertools.accumulate(sizes), *range(0, values.numel(), row)} if c <= sum(sizes))
+    for start, stop in zip(cuts, cuts[1:]):
+        for first in range(start, stop, block):
+            part = values[first : min(first + block, stop)]
+            scale = (part.abs().max() / levels).bfloat16().float()
+            if scale > 0:
+                out[first : first + part.numel()] = torch.round(part / scale).clamp(-levels, levels) * scale
+    return out
+
+
 RECURRENCES: dict[str, Callable[..., Params]] = {
     "sync": sync_reference,
     "dpu": dpu_reference,
@@ -201,7 +240,8 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
 
 def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
                     sync_every: int, sync_delay: int, overlap: str = "discard", max_norm: float | None = None,
-                    outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None) -> list[Params]:
+                    outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None, outer_bits: int = 32,
+                    error_feedback: bool = True) -> list[Params]:
     """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
 
     ``steps[t][m]``: replica m's micro-batches of inner step t. Replica m starts from ``init``
@@ -213,6 +253,13 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
       sync_delay 0 it lands at once.
     At the end a round in flight lands, then a last one (landing without "keep") over any
     inner step since, so every replica ends at x.
+
+    Below 32 bits (docs/design.md, "Lighter outer rounds") the replicas land at c, a copy of x
+    every rank holds, and the flat layout's rows (one per replica, ceil(P / R) values, zero
+    padded) are quantised by ``quantised``: at the launch p_m = c - theta_m + e_m,
+    e_m = p_m - Q(p_m) (error feedback; else e_m = 0), x.grad = mean_m Q(p_m) (summed in fp32
+    in replica order), the outer step, then c = c + Q(x - c).
+    (p_m = e_m + c - theta_m in that order, as acco computes it: a level is a rounding.)
     """
     replicas = [Reference(init, optimizer, max_norm) for _ in steps[0]]
     x = [p.detach().clone().requires_grad_(True) for p in init.values()]
@@ -221,13 +268,35 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     in_flight: tuple[int, Params, list[Params]] | None = None  # (launched at, new x, handed)
     unsynced = False
 
+    shapes = [p.shape for p in init.values()]
+    sizes = [p.numel() for p in init.values()]
+    rows = len(steps[0])
+    chunk = -(-sum(p.numel() for p in init.values()) // rows)
+    copy_of_x = flat(list(init.values()), rows * chunk)  # c
+    residuals = [torch.zeros(rows * chunk) for _ in replicas]
+
     def launch(n: int) -> tuple[int, Params, list[Params]]:
+        nonlocal copy_of_x
         handed = [ref.params() for ref in replicas]
-        with torch.no_grad():
-            for i, name in enumerate(names):
-                x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
+        if outer_bits == 32:
+            with torch.no_grad():
+                for i, name in enumerate(names):
+                    x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
+            outer_opt.step()
+            return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, handed
+        total = torch.zeros(rows * chunk)
+        for m, own in enumerate(handed):
+            payload = residuals[m] + copy_of_x - flat(list(own.values()), rows * chunk)  # the library's order
+            sent = quantised(payload, outer_bits, sizes, chunk)
+            if error_feedback and outer_bits < 16:
+                residuals[m] = payload - sent
+            total += sent
+        for i, grad in enumerate(unflat(total / rows, shapes)):
+            x[i].grad = grad
         outer_opt.step()
-        return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, handed
+        update = flat([p.detach() for p in x], rows * chunk) - copy_of_x
+        copy_of_x = copy_of_x + quantised(update, outer_bits, sizes, chunk)
+        return n, dict(zip(names, unflat(copy_of_x, shapes))), handed
 
     def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:
         n0, new_x, handed = flight

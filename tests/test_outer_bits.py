@@ -1,0 +1,206 @@
+"""mode="local" with lighter outer rounds (``outer_bits`` 16, 8, 4) on real gloo ranks.
+
+Reference (tests/reference.py, ``local_reference`` with ``outer_bits``, written from
+docs/design.md "Lighter outer rounds"): the flat layout's rows quantised by an independent
+block quantiser, each replica's residual, the fp32 sum, and the copy c of the global values
+every rank holds, moved by the quantised difference to the master.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
+from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
+from tests.test_local import H, MAX_NORM, build, expected, inner_step, step_data
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def row_bytes(sizes: list[int], chunk: int, world_size: int, bits: int) -> int:
+    """The longest row an outer round sends (every row padded to it): 16 bits 2 bytes per
+    value; below, per block of up to 64 values of one parameter's piece of the row, 64 values
+    of ``bits`` and a bf16 scale."""
+    if bits == 16:
+        return 2 * chunk
+    ends = list(itertools.accumulate(sizes))
+    longest = 0
+    for rank in range(world_size):
+        first, last = rank * chunk, (rank + 1) * chunk
+        pieces = [min(end, last) - max(end - size, first) for size, end in zip(sizes, ends)]
+        longest = max(longest, sum(math.ceil(n / 64) for n in pieces if n > 0) * (64 * bits // 8 + 2))
+    return longest
+
+
+def run_rank(steps: int, options: dict) -> dict:
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", layout="flat", **options)
+    for t in range(steps):
+        inner_step(opt, model, t, rank, True)
+    opt.finish()
+    return {"params": params_of(model), "bytes": [s.collective_bytes for s in opt.round_stats],
+            "padded": opt.shard_plans[0].padded_numel, "sizes": opt.buffer_bytes()[0],
+            "global": {k: v for k, v in zip(params_of(model), opt.global_parameters()[0])}}
+
+
+@pytest.mark.parametrize("world_size,bits,feedback,delay,overlap", [
+    (2, 4, True, 0, "discard"),
+    (3, 4, True, 1, "keep"),
+    (3, 8, True, 2, "discard"),
+    (2, 16, True, 0, "discard"),
+    (2, 4, False, 2, "keep"),
+])
+def test_quantised_rounds_equal_their_recurrence(ranks, world_size, bits, feedback, delay, overlap) -> None:
+    """Every replica ends where the one-process recurrence puts it (1e-6), identical on every
+    rank, at the copy of the global values; each round moves the codec's bytes: R rows of
+    ceil(P/R) values on each leg (4 bits: 4.25 per value, 8 bits: 8.25, 16 bits: 16)."""
+    steps = 8
+    options = {"sync_every": H, "sync_delay": delay, "overlap": overlap, "outer_bits": bits,
+               "outer_error_feedback": feedback}
+    results = ranks(world_size).run(run_rank, steps, options)
+    reference = expected(world_size, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap,
+                         outer_bits=bits, error_feedback=feedback)
+    full_precision = expected(world_size, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
+    assert_identical_across_ranks(results)
+    assert_params_close(results[0]["params"], reference[0], rtol=0, atol=1e-6)
+    assert max((reference[0][k] - full_precision[0][k]).abs().max() for k in reference[0]) > 1e-4  # not vacuous
+    padded = results[0]["padded"]
+    sizes = [p.numel() for p in make_model().parameters()]
+    rounds = results[0]["bytes"]
+    assert len(rounds) >= 2 and rounds == [2 * world_size * row_bytes(sizes, padded // world_size, world_size, bits)] * len(rounds)
+    assert_params_equal(results[0]["global"], results[0]["params"])  # finish(): the model holds the copy
+    residual = 4 * padded if feedback and bits < 16 else 0
+    assert results[0]["sizes"]["outer_residual"] == residual
+
+
+def test_error_feedback_changes_the_recurrence() -> None:
+    """The references themselves: with and without residuals at 4 bits, and 4 against 8 bits,
+    give different models (the test above would pass vacuously otherwise)."""
+    kwargs = {"sync_every": H, "sync_delay": 0}
+    a = expected(2, 8, "adamw", outer_bits=4, **kwargs)[0]
+    b = expected(2, 8, "adamw", outer_bits=4, error_feedback=False, **kwargs)[0]
+    c = expected(2, 8, "adamw", outer_bits=8, **kwargs)[0]
+    for one, other in ((a, b), (a, c)):
+        assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-4
+
+
+def resume_rank(steps: int, stop: int, options: dict) -> dict:
+    """Train straight, and again saving after ``stop`` steps into a new model and optimizer."""
+    rank = this_rank()
+    straight = make_model(seed=rank)
+    opt = build(straight, "adamw", **options)
+    for t in range(steps):
+        inner_step(opt, straight, t, rank, False)
+    opt.finish()
+
+    first = make_model(seed=rank)
+    opt = build(first, "adamw", **options)
+    for t in range(stop):
+        inner_step(opt, first, t, rank, False)
+    in_flight = opt.in_flight is not None
+    saved, model_state = opt.state_dict(), {k: v.clone() for k, v in first.state_dict().items()}
+    opt.close()
+    resumed = make_model(seed=100 + rank)
+    resumed.load_state_dict(model_state)
+    opt = build(resumed, "adamw", **options)
+    opt.load_state_dict(saved)
+    for t in range(stop, steps):
+        inner_step(opt, resumed, t, rank, False)
+    opt.finish()
+    return {"straight": params_of(straight), "resumed": params_of(resumed), "in_flight": in_flight,
+            "residuals": saved["acco"]["local"]["residuals"] is not None}
+
+
+@pytest.mark.parametrize("delay,stop", [(2, 4), (0, 5)])
+def test_resume_with_residuals_is_bit_identical(ranks, delay, stop) -> None:
+    """The state carries each rank's residuals and the copy of the global values; resumed with a
+    round in flight (its gather leg sent again from the restored master and copy) or between
+    rounds, the run ends bit for bit as the uninterrupted one."""
+    options = {"sync_every": H, "sync_delay": delay, "outer_bits": 4}
+    results = ranks(2).run(resume_rank, 9, stop, options)
+    for result in results:
+        assert result["in_flight"] == (delay > 0) and result["residuals"]
+        assert_params_equal(result["resumed"], result["straight"])
+    assert_identical_across_ranks(results, "resumed")
+
+
+def auto_rank(steps: int) -> dict:
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "sgd", sync_every=2, sync_delay="auto", overlap="keep", outer_bits=8)
+    for t in range(steps):
+        inner_step(opt, model, t, rank, False)
+    opt.finish()
+    return {"params": params_of(model), "rounds": opt.outer_rounds}
+
+
+def test_auto_delay_and_keep(ranks) -> None:
+    """sync_delay="auto" with overlap="keep" at 8 bits: every replica ends identical."""
+    results = ranks(2).run(auto_rank, 9)
+    assert_identical_across_ranks(results)
+    assert all(math.isfinite(v.abs().sum().item()) for v in results[0]["params"].values())
+
+
+def mesh_rank(inner: str, bits: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_mesh import build as build_inner, data_of, full_params
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build_inner(inner, mesh)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
+                        sync_delay=1, max_grad_norm=MAX_NORM, timeout=TIMEOUT, outer_bits=bits, **hp)
+    for t in range(7):
+        for i in range(2):
+            loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    return {"params": full_params(model), "bytes": [s.collective_bytes for s in opt.round_stats],
+            "chunk": opt.shard_plans[0].chunk}
+
+
+@pytest.mark.parametrize("inner", ["fsdp", "tp"])
+def test_mesh_replicas_end_identical(ranks, inner) -> None:
+    """FSDP2 or TP inside each replica group: the outer round quantises each rank's local
+    shards across mesh["replicate"]; all 4 ranks end with the same full parameters, near the
+    fp32 run's. (Replicated parameters, TP's biases here, stay identical across a replica
+    group's ranks: their blocks hold their own values only.)"""
+    four = ranks(4).run(mesh_rank, inner, 4)
+    exact = ranks(4).run(mesh_rank, inner, 32)
+    assert_identical_across_ranks(four)
+    assert_params_close(four[0]["params"], exact[0]["params"], rtol=0, atol=0.05)
+
+
+def bad(**options) -> None:
+    AccoOptimizer(make_model(), torch.optim.AdamW, lr=1e-3, **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"mode": "local", "outer_bits": 5}, "outer_bits: 5"),
+    ({"mode": "local", "outer_bits": 2}, "outer_bits: 2"),
+    ({"mode": "local", "outer_bits": True}, "outer_bits: True"),
+    ({"mode": "local", "outer_bits": "4"}, "outer_bits: '4'"),
+    ({"mode": "local", "outer_bits": 4, "outer_error_feedback": "yes"}, "outer_error_feedback: 'yes'"),
+    ({"mode": "acco", "outer_bits": 4}, "outer_bits=4 need mode='local'"),
+    ({"mode": "sync", "outer_error_feedback": False}, "outer_error_feedback=False need mode='local'"),
+])
+def test_bad_input_before_any_collective(options, message) -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=message):
+        bad(**options)
+
+
+def test_one_process_equals_the_recurrence() -> None:
+    """Without a process group (one replica) the rounds still go through the codec."""
+    result = run_rank(7, {"sync_every": H, "sync_delay": 1, "outer_bits": 4})
+    reference = expected(1, 7, "adamw", sync_every=H, sync_delay=1, outer_bits=4)
+    assert_params_close(result["params"], reference[0], rtol=0, atol=1e-6)
