@@ -104,8 +104,9 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep][-olrX]``
-    (acco ``mode="local"``, library defaults for what is not named), ``diloco-hH[-olrX]`` (torchft's
+    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep][-bB][-noef][-olrX]``
+    (acco ``mode="local"``, library defaults for what is not named; ``-bB``: ``outer_bits=B``,
+    ``-noef``: ``outer_error_feedback=False``), ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
@@ -115,6 +116,8 @@ class LocalSpec:
     overlap: str | None = None  # acco: discard (default) or keep
     outer_lr: float = 0.7
     fragments: int = 2
+    outer_bits: int | None = None  # acco: None is the library's default
+    error_feedback: bool = True
 
     @classmethod
     def parse(cls, name: str) -> LocalSpec | None:
@@ -129,6 +132,10 @@ class LocalSpec:
                     spec = dataclasses.replace(spec, overlap=part)
                 elif part == "dauto" and kind == "local":
                     spec = dataclasses.replace(spec, sync_delay="auto")
+                elif part.startswith("b") and kind == "local":
+                    spec = dataclasses.replace(spec, outer_bits=int(part[1:]))
+                elif part == "noef" and kind == "local":
+                    spec = dataclasses.replace(spec, error_feedback=False)
                 elif part.startswith("olr"):
                     spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
                 elif part.startswith("d") and kind != "diloco":
@@ -148,12 +155,14 @@ class LocalSpec:
         if self.kind == "sdiloco":
             return (f"Streaming DiLoCo (torchft), H = {self.sync_every}, {self.fragments} fragments, delay "
                     f"{self.sync_delay or 0}{olr}")
+        bits = "" if self.outer_bits is None else f", {self.outer_bits} bits"
+        bits += "" if self.error_feedback else " without error feedback"
         if self.sync_delay == 0:
-            return f"acco `local` blocking, H = {self.sync_every}{olr}"
+            return f"acco `local` blocking, H = {self.sync_every}{bits}{olr}"
         if self.sync_delay is None and self.overlap is None:
-            return f"acco `local`, H = {self.sync_every}, library defaults{olr}"
+            return f"acco `local`, H = {self.sync_every}, library defaults{bits}{olr}"
         delay = "default delay" if self.sync_delay is None else f"delay {self.sync_delay}"
-        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'default rule'}{olr}"
+        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'default rule'}{bits}{olr}"
 
 
 def method_spec(name: str) -> MethodSpec:
@@ -595,6 +604,10 @@ class AccoLocalMethod(Method):
             options["sync_delay"] = local.sync_delay
         if local.overlap is not None:
             options["overlap"] = local.overlap
+        if local.outer_bits is not None:
+            options["outer_bits"] = local.outer_bits
+        if not local.error_feedback:
+            options["outer_error_feedback"] = False
         self.local_opt = acco_module.AccoOptimizer(
             param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
             betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)
