@@ -236,3 +236,40 @@ def test_a_row_too_small_for_a_scale_rounds_to_zero_not_nan(dtype: torch.dtype) 
     back = dequantize_row(payload[0], scales[0])
     assert torch.isfinite(back).all() and torch.equal(back, torch.zeros(3))
     assert scales[0] == 1.0
+
+
+# ---------------------------------------------------------------- the outer rounds' codec
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 150), min_size=1, max_size=4), gap=st.integers(0, 70),
+       seed=st.integers(0, 2**16), magnitude=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e4]))
+def test_block_codec_equals_the_reference_quantiser(bits, sizes, gap, seed, magnitude) -> None:
+    """A row of parameter pieces (and padding after them) encodes to ``row_bytes`` and decodes
+    to what tests/reference.py's independent quantiser gives (blocks of 64 from each piece's
+    start, bf16 scales, levels half to even), bit for bit; the padding decodes to 0."""
+    from acco.quantize import BlockCodec, RowBlocks
+    from tests.reference import quantised
+
+    length = sum(sizes) + gap
+    values = torch.randn(length, generator=torch.Generator().manual_seed(seed)) * magnitude
+    values[sum(sizes):] = 0.0
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append((start, start + size))
+        start += size
+    codec, blocks = BlockCodec(bits), RowBlocks(pieces, length, 64, torch.device("cpu"))
+    encoded = codec.encode(values, blocks)
+    assert encoded.dtype == torch.uint8 and encoded.numel() == codec.row_bytes(blocks)
+    if bits < 16:
+        assert encoded.numel() == sum(-(-s // 64) for s in sizes) * (64 * bits // 8 + 2)
+    decoded = codec.decode(encoded, blocks)
+    assert torch.equal(decoded, quantised(values, bits, sizes, length))
+    assert torch.isfinite(decoded).all() and not decoded[sum(sizes):].any()
+
+
+def test_block_codec_rejects_other_widths() -> None:
+    from acco.quantize import BlockCodec
+
+    with pytest.raises(ValueError, match="bits: 2"):
+        BlockCodec(2)
