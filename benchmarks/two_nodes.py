@@ -63,7 +63,7 @@ class Spec:
     inner: str  # "hsdp": FSDP2 on the 2-D mesh; "fsdp": FSDP2 on mesh["shard"]; "none": plain model
     mode: str | None = None
     ready_loop: bool = False  # common.train_round keeps computing while not ready()
-    local: dict[str, Any] | None = None  # mode="local": sync_every, sync_delay (None: the library's default)
+    local: dict[str, Any] | None = None  # mode="local": sync_every, sync_delay, outer_bits (absent: the library's default)
 
 
 METHODS: dict[str, Spec] = {
@@ -76,6 +76,10 @@ METHODS: dict[str, Spec] = {
                        local={"sync_every": 16}),
     "fsdp-local-blocking": Spec("FSDP2 inside + acco `local` across, H = 16, blocking", "fsdp", "local",
                                 local={"sync_every": 16, "sync_delay": 0}),
+    "fsdp-local-b8": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 8 bits", "fsdp", "local",
+                          local={"sync_every": 16, "outer_bits": 8}),
+    "fsdp-local-b4": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 4 bits", "fsdp", "local",
+                          local={"sync_every": 16, "outer_bits": 4}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.
     "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
                                     local={"sync_every": 10**9, "sync_delay": 0}),
