@@ -73,13 +73,18 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
-from acco.options import parse_enum
+from acco.options import Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
 ACCO_CHECKPOINT_DIR = "acco"  # inside each Trainer checkpoint: acco's sharded optimizer state
 _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look for it find it
-_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers")
+_ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
+# mode="local"'s own arguments (outer_bits once AccoOptimizer takes it).
+_LOCAL_KWARGS = tuple(
+    name for name in ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits") if name in _ACCO_SIGNATURE
+)
+_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers", *_LOCAL_KWARGS)
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 # Names whose optimizer needs the model or its own train()/eval() (LOMO, schedule-free):
@@ -212,6 +217,19 @@ class AccoTrainer(Trainer):
                 f"Invalid acco_kwargs {unknown}: AccoTrainer passes {list(_ACCO_KWARGS)}; mode comes from acco_mode, "
                 "max_grad_norm and the base optimizer from TrainingArguments"
             )
+        local_only = sorted(set(self.acco_kwargs) & set(_LOCAL_KWARGS))
+        if local_only and self.acco_mode is not Mode.LOCAL:
+            raise ValueError(
+                f"Invalid acco_kwargs {local_only} with acco_mode={self.acco_mode.value!r}: they set mode='local''s "
+                "outer rounds; pass acco_mode='local' or leave them out"
+            )
+        if acco_accumulate_while_waiting and self.acco_mode is Mode.LOCAL:
+            raise ValueError(
+                "Invalid acco_accumulate_while_waiting=True with acco_mode='local': an inner step waits for the link "
+                "only where a fixed sync_delay lands a round that has not arrived; acco_kwargs sync_delay='auto' "
+                "lands each round once it has, so no replica waits"
+            )
+        _check_acco_options(self.acco_mode, self.acco_kwargs)
         if bound.get("args") is not None:
             _check_training_args(bound["args"], self.acco_mode)
         optimizers = bound.get("optimizers", (None, None))
@@ -500,12 +518,20 @@ class AccoTrainer(Trainer):
             self._last_logged_round = rounds[-1].index
         # A round replayed from a checkpoint only all-gathers again: it computed nothing here.
         rounds = [s for s in rounds if not s.replayed]
+        gradient_rounds = [s for s in rounds if s.kind is not RoundKind.OUTER]  # an outer round carries parameters
         out: dict[str, float] = {}
         if rounds:
             out["acco_hidden_share"] = statistics.fmean(s.hidden_share for s in rounds)
-            out["acco_micro_batches_per_round"] = statistics.fmean(s.local_micro_batches for s in rounds)
-            out["acco_global_micro_batches_per_round"] = statistics.fmean(s.global_micro_batches for s in rounds)
             out["acco_wait_s"] = math.fsum(s.wait_seconds for s in rounds)
+        if gradient_rounds:
+            out["acco_micro_batches_per_round"] = statistics.fmean(s.local_micro_batches for s in gradient_rounds)
+            out["acco_global_micro_batches_per_round"] = statistics.fmean(
+                s.global_micro_batches for s in gradient_rounds
+            )
+        if self.acco_mode is Mode.LOCAL:  # the outer rounds so far, and the bytes of those landed since the last log
+            out["acco_outer_rounds"] = float(acco.outer_rounds)
+            out["acco_skipped_outer_rounds"] = float(acco.skipped_outer_rounds)
+            out["acco_outer_bytes"] = float(sum(s.collective_bytes for s in rounds if s.kind is RoundKind.OUTER))
         if self.acco_accumulate_while_waiting:
             out["acco_extra_micro_batches"] = float(self._extra_micro_batches)
         # The Trainer's own grad_norm is of p.grad, which accumulate() consumed: report acco's.
@@ -650,6 +676,15 @@ def _token_weights(batches: Sequence[Any], counts_tokens: bool, shifts_labels: b
         return [float(n) for n in torch.stack([t.ne(-100).sum() for t in labels]).tolist()]
     except (TypeError, AttributeError, RuntimeError):  # labels that are not tensors
         return [1.0] * len(batches)
+
+
+def _check_acco_options(mode: Mode, acco_kwargs: Mapping[str, Any]) -> None:
+    """AccoOptimizer's own checks of ``acco_kwargs`` (``ValueError`` / ``TypeError`` naming
+    the bad value), run when the trainer is made: the optimizer itself is built only when
+    training starts, after the model has moved and the process group exists."""
+    checked = inspect.signature(Options.check).parameters
+    given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
+    Options.check(**{name: v for name, v in {**given, **acco_kwargs, "mode": mode}.items() if name in checked})
 
 
 def _check_training_args(args: TrainingArguments, mode: Mode) -> None:
