@@ -338,8 +338,9 @@ def local_steps_resumed(output_dir: str) -> dict:
             "outer": resumed.acco_optimizer.outer_rounds, "loss": logged(resumed, "loss")}
 
 
-def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
-    """No torchrun: rejected settings, a plain run, and a resume of a 2-rank checkpoint."""
+def one_process(output_dir: str, two_rank_checkpoint: str, local_checkpoint: str) -> dict:
+    """No torchrun: rejected settings, a plain run, and resumes of a 2-rank checkpoint (acco
+    mode) and of a 2-replica one (local mode)."""
     import copy
 
     from safetensors.torch import load_file
@@ -405,13 +406,25 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
                           train_dataset=examples, callbacks=[Loaded()])
     resumed.train(resume_from_checkpoint=two_rank_checkpoint)
 
+    class LoadedLocal(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen["local_global"] = named_global_values(local.acco_optimizer, model)
+            seen["local_live"] = params_of(model)
+
+    local = local_trainer(f"{output_dir}/local", seed=5, callbacks=[LoadedLocal()])
+    local.train(resume_from_checkpoint=local_checkpoint)
+
     bf16 = AccoTrainer(model=tiny_llama(), args=training_args(f"{output_dir}/bf16", bf16=True, max_steps=2),
                        train_dataset=examples)
     bf16.train()
     return {"bf16_loss": logged(bf16, "loss"), "bf16_dtypes": {p.dtype for p in bf16.model.parameters()},"rejected": messages, "plain_updates": plain.acco_optimizer.num_updates,
             "plain_loss": logged(plain, "loss"), "resumed_updates": resumed.acco_optimizer.num_updates,
             "committed_at_resume": seen["committed"],
-            "checkpoint": load_file(f"{two_rank_checkpoint}/model.safetensors")}
+            "checkpoint": load_file(f"{two_rank_checkpoint}/model.safetensors"),
+            "local_global": seen["local_global"], "local_live": seen["local_live"],
+            "local_checkpoint": load_file(f"{local_checkpoint}/model.safetensors"),
+            "local_updates": local.acco_optimizer.num_updates, "local_params": params_of(local.model),
+            "local_end": named_global_values(local.acco_optimizer, local.model)}
 
 
 # --------------------------------------------------------------------------- tests
@@ -488,12 +501,15 @@ def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run) 
     assert_params_close(second[0]["waiting"], second[1]["waiting"], rtol=0, atol=0)
 
 
-def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path) -> None:
+def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, local_run, tmp_path) -> None:
     """Without torchrun: unsupported settings are refused naming the argument, a plain and a bf16 run
-    train, and a 2-rank checkpoint resumes on 1 rank at its committed parameters."""
+    train, a 2-rank checkpoint resumes on 1 rank at its committed parameters, and a 2-replica
+    local-mode one by the documented rule (the global values, and rank 0's replica)."""
     directory, first = stopped_run
     checkpoint = str(directory / "stopped" / "checkpoint-3")
-    (result,) = run_fresh(one_process, str(tmp_path), checkpoint, world_size=1, torchrun=False)
+    local_directory, local = local_run
+    (result,) = run_fresh(one_process, str(tmp_path), checkpoint, str(local_directory / "whole" / "checkpoint-2"),
+                          world_size=1, torchrun=False)
     for name, message in result["rejected"].items():
         assert message != "accepted", name
         assert name in message, (name, message)
@@ -505,14 +521,26 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
     assert_params_close(result["committed_at_resume"], result["checkpoint"], rtol=0, atol=0)
     assert result["resumed_updates"] == 6
     assert first[0]["stopped_updates"] == 3
+    # 2 replicas -> 1: the global values resharded, the replica rank 0's; then on to the end.
+    assert_params_close(result["local_global"], result["local_checkpoint"], rtol=0, atol=0)
+    assert_params_close(result["local_live"], local[0]["live"][2], rtol=0, atol=0)
+    assert result["local_updates"] == 6
+    assert_params_close(result["local_params"], result["local_end"], rtol=0, atol=0)
 
 
-def test_local_mode_trains_evaluates_global_values_and_resumes_exactly(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """Two replicas: AccoTrainer(acco_mode="local"), checkpoints at 2, 4 and 6."""
+    directory = tmp_path_factory.mktemp("local")
+    return directory, run_fresh(local_steps, str(directory))
+
+
+def test_local_mode_trains_evaluates_global_values_and_resumes_exactly(local_run) -> None:
     """AccoTrainer(acco_mode="local") on 2 ranks: the loss falls, no DDP, one inner update per Trainer
     step; evaluations and checkpoints hold the global values while the replicas differ; every rank
     ends at the same parameters; a resume from a checkpoint with a round in flight ends where the
     uninterrupted run does."""
-    whole = run_fresh(local_steps, str(tmp_path))
+    directory, whole = local_run
     for result in whole:
         assert result["wrapped"] == "LlamaForCausalLM"
         assert result["updates"] == result["steps"] == 6 and result["outer"] == 3  # landed at 3, 5, and by finish()
@@ -534,7 +562,7 @@ def test_local_mode_trains_evaluates_global_values_and_resumes_exactly(tmp_path)
     # The replicas differ between rounds, and end identical.
     assert not torch.equal(whole[0]["live"][4]["model.norm.weight"], whole[1]["live"][4]["model.norm.weight"])
     assert_params_close(whole[0]["params"], whole[1]["params"], rtol=0, atol=0)
-    resumed = run_fresh(local_steps_resumed, str(tmp_path))  # new processes: only files carry over
+    resumed = run_fresh(local_steps_resumed, str(directory))  # new processes: only files carry over
     for before, after in zip(whole, resumed):
         assert after["updates"] == 6 and after["outer"] == 3
         assert after["loss"] == before["loss"]  # the first 2 from the checkpoint's log history, the rest recomputed
