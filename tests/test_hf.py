@@ -258,7 +258,8 @@ def counting_examples(count: int = 64, seed: int = 2) -> list[dict[str, torch.Te
     generator = torch.Generator().manual_seed(seed)
     examples = []
     for _ in range(count):
-        length, start = (int(torch.randint(low, high, (1,), generator=generator)) for low, high in ((3, SEQ_LEN + 1), (0, 63)))
+        length = int(torch.randint(3, SEQ_LEN + 1, (1,), generator=generator))
+        start = int(torch.randint(0, 63, (1,), generator=generator))
         ids = (start + torch.arange(SEQ_LEN)) % 63 + 1
         labels, mask = ids.clone(), torch.ones(SEQ_LEN, dtype=torch.long)
         ids[length:], labels[length:], mask[length:] = 0, -100, 0

@@ -11,6 +11,13 @@ every mode, of ``gradient_accumulation_steps`` (K) micro-batches per rank:
 - ``acco``: two rounds of K/2 micro-batches. The estimate round ends inside
   :meth:`AccoTrainer.training_step`, after the first half of the micro-batches; the commit
   round ends at the Trainer's ``optimizer.step()``.
+- ``local``: one inner update of this replica (K micro-batches, no collective); every
+  ``sync_every`` steps an outer round averages the replicas on the comm lane and lands
+  ``sync_delay`` steps later, as in a hand-written loop (docs/api.md, ``mode="local"``).
+  The LR schedule drives the inner learning rate; the logged ``loss`` is this replica's.
+  Evaluations and checkpoints see the global values of the last landed round
+  (``AccoOptimizer.eval()`` in this mode: no wait, no collective), and ``finish()`` at the
+  end runs one more outer round so every replica ends at the same, global parameters.
 
 So ``max_steps``, ``save_steps``, ``eval_steps``, ``logging_steps`` and the warm-up and
 length of the LR schedule count committed updates, as with ``Trainer``. In ``acco`` and
@@ -44,7 +51,10 @@ What differs from ``Trainer`` under the hood, and why:
 - acco's telemetry joins the training logs: ``acco_hidden_share`` (share of the comm lane's
   time hidden behind compute), ``acco_micro_batches_per_round`` (this rank) and
   ``acco_global_micro_batches_per_round``, ``acco_wait_s`` (time ``step()`` blocked since the
-  last log) and ``grad_norm`` (the norm acco clipped, of the last committed update).
+  last log) and ``grad_norm`` (the norm acco clipped, of the last committed update); in
+  ``local`` mode ``acco_outer_rounds`` and ``acco_skipped_outer_rounds`` (landed so far),
+  ``acco_outer_bytes`` (of those landed since the last log) and no ``grad_norm`` (each
+  replica clips its own gradient).
 """
 
 from __future__ import annotations
@@ -163,7 +173,8 @@ class AccoTrainer(Trainer):
 
     Args:
         acco_mode: ``"acco"`` (estimate + commit rounds of K/2 micro-batches each; K =
-            ``gradient_accumulation_steps`` must be even), ``"dpu"`` or ``"sync"``.
+            ``gradient_accumulation_steps`` must be even), ``"dpu"``, ``"sync"`` or
+            ``"local"`` (one inner update per step, an outer round every ``sync_every``).
         acco_accumulate_while_waiting: at each round boundary, while the round in flight has
             not landed, keep computing micro-batches instead of waiting (a fast rank never
             idles). The extra micro-batches come from a separate pass over this rank's share
@@ -171,9 +182,11 @@ class AccoTrainer(Trainer):
             the scheduled ``max_steps * K`` micro-batches per rank are unchanged and every
             update covers those plus the extra ones: the samples trained on grow with the time
             the network takes (``acco_extra_micro_batches`` in the logs counts them), and a
-            resume is no longer bit-exact.
+            resume is no longer bit-exact. Not with ``acco_mode="local"``.
         acco_kwargs: further ``AccoOptimizer`` arguments: ``layout``, ``param_dtype``,
-            ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``.
+            ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``; with
+            ``acco_mode="local"`` also ``sync_every``, ``sync_delay``, ``overlap``,
+            ``outer_optimizer``. Checked as ``AccoOptimizer`` checks them, here.
         *args, **kwargs: those of ``transformers.Trainer``.
 
     Raises:
@@ -184,7 +197,10 @@ class AccoTrainer(Trainer):
             ``lr_scheduler_type``, an odd ``gradient_accumulation_steps`` in ``acco`` mode, an
             ``optim`` that does not map to a torch (or transformers) optimizer class, more than
             one GPU per process, a model already wrapped in DDP, or ``optimizers=(...)`` (acco
-            builds its own optimizer and schedule).
+            builds its own optimizer and schedule); ``local`` mode's ``acco_kwargs`` in another
+            mode, ``param_dtype``/``reduce_dtype`` or ``acco_accumulate_while_waiting`` in
+            ``local`` mode.
+        TypeError: an ``acco_kwargs`` value of the wrong type (as ``AccoOptimizer``).
 
     Example::
 
