@@ -14,7 +14,8 @@ every mode, of ``gradient_accumulation_steps`` (K) micro-batches per rank:
 - ``local``: one inner update of this replica (K micro-batches, no collective); every
   ``sync_every`` steps an outer round averages the replicas on the comm lane and lands
   ``sync_delay`` steps later, as in a hand-written loop (docs/api.md, ``mode="local"``).
-  The LR schedule drives the inner learning rate; the logged ``loss`` is this replica's.
+  The LR schedule drives the inner learning rate; the logged ``loss`` is the Trainer's mean
+  over ranks of each replica's loss on its own parameters (not the global values').
   Evaluations and checkpoints see the global values of the last landed round
   (``AccoOptimizer.eval()`` in this mode: no wait, no collective), and ``finish()`` at the
   end runs one more outer round so every replica ends at the same, global parameters.
