@@ -237,8 +237,8 @@ class AccoTrainer(Trainer):
         local_only = sorted(set(self.acco_kwargs) & set(_LOCAL_KWARGS))
         if local_only and self.acco_mode is not Mode.LOCAL:
             raise ValueError(
-                f"Invalid acco_kwargs {local_only} with acco_mode={self.acco_mode.value!r}: they set mode='local''s "
-                "outer rounds; pass acco_mode='local' or leave them out"
+                f"Invalid acco_kwargs {local_only} with acco_mode={self.acco_mode.value!r}: they set the outer rounds "
+                "of acco_mode='local'; pass that mode or leave them out"
             )
         if acco_accumulate_while_waiting and self.acco_mode is Mode.LOCAL:
             raise ValueError(
