@@ -9,6 +9,13 @@ Compare the modes (same samples, same committed updates, same schedule):
     torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --mode sync
     torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --mode dpu
 
+Local steps (each rank trains its own replica; an outer round averages them every
+``--sync-every`` updates, behind the next ones), and plain ``transformers.Trainer`` (DDP) for
+comparison, each for the same training time:
+
+    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --mode local --time-budget 60 --max-steps 1000
+    torchrun --standalone --nproc_per_node=2 examples/finetune_hf.py --mode trainer --time-budget 60 --max-steps 1000
+
 Your model and data (a local Hugging Face causal LM directory; an Alpaca-style JSON or
 JSONL file of ``{"instruction", "input", "output"}`` records), on GPUs (nccl):
 
@@ -59,6 +66,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Trainer,
     TrainerCallback,
     TrainingArguments,
 )
@@ -78,7 +86,10 @@ SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--mode", choices=["acco", "dpu", "sync"], default="acco", help="how rounds overlap communication")
+    add("--mode", choices=["acco", "dpu", "sync", "local", "trainer"], default="acco",
+        help="AccoTrainer's acco_mode, or trainer: plain transformers.Trainer (DDP), for comparison")
+    add("--sync-every", type=int, default=None, help="--mode local: updates per outer round (default: acco's)")
+    add("--sync-delay", default=None, help="--mode local: updates an outer round overlaps, or auto (default: acco's)")
     add("--model", default=None, help="a local Hugging Face causal LM directory (default: a small Llama from scratch)")
     add("--data", default=None, help="Alpaca-style .json or .jsonl (default: built from the stdlib's docstrings)")
     add("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -102,7 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-records", type=int, default=6000, help="at most this many records from the stdlib (default data)")
     add("--seed", type=int, default=1234)
     add("--timeout", type=float, default=300, help="seconds before a stuck collective fails")
+    add("--time-budget", type=float, default=None,
+        help="stop after this many seconds of training (evaluations excluded), at the next log step")
     args = parser.parse_args(argv)
+    if args.mode != "local" and (args.sync_every is not None or args.sync_delay is not None):
+        parser.error("--sync-every and --sync-delay need --mode local")
+    if args.sync_delay is not None and args.sync_delay not in ("auto", "half"):
+        args.sync_delay = int(args.sync_delay)
+    if args.accumulate_while_waiting and args.mode in ("local", "trainer"):
+        parser.error(f"--accumulate-while-waiting does not apply to --mode {args.mode}")
     if args.mode == "acco" and args.grad_accum % 2:
         parser.error("--mode acco splits an update into two rounds: --grad-accum must be even")
     if args.model is not None and not Path(args.model).is_dir():
@@ -293,12 +312,46 @@ class Progress(TrainerCallback):
                 parts.append(f"grad norm {logs['grad_norm']:.3f}")
             if "acco_hidden_share" in logs:
                 parts.append(f"comm hidden {logs['acco_hidden_share']:4.0%}")
+            if "acco_micro_batches_per_round" in logs:
                 parts.append(f"micro-batches/round {logs['acco_micro_batches_per_round']:.1f}")
+            if "acco_outer_rounds" in logs:
+                parts.append(f"outer rounds {logs['acco_outer_rounds']:.0f}")
             parts.append(f"{self.elapsed():6.1f} s")
             print(" | ".join(parts), flush=True)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+class TimeBudget(TrainerCallback):
+    """Stops training once ``seconds`` of training have passed (from the first step,
+    evaluations excluded), with a final evaluation. Checked at each log step: the ranks agree
+    through one all-reduce there, so they stop at the same step."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start: float | None = None
+        self.evaluating = 0.0  # seconds spent in evaluations since the start
+        self.trained = 0.0  # seconds of training when it stopped
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.start is not None:
+            self.evaluating += (logs or {}).get("eval_runtime", 0.0)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if state.global_step % args.logging_steps:
+            return
+        self.trained = time.perf_counter() - (self.start or 0.0) - self.evaluating
+        over = torch.tensor([float(self.trained >= self.seconds)])
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            control.should_training_stop = True
+            control.should_evaluate = True
 
 
 # ------------------------------------------------------------------------------ training
@@ -356,7 +409,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         eval_strategy="steps",
         eval_steps=args.eval_steps,
         eval_on_start=not args.resume,
-        logging_steps=max(1, args.eval_steps // 5),
+        logging_steps=max(1, min(args.eval_steps // 5, 10)),
         save_strategy="steps",
         save_steps=args.save_steps or args.max_steps,
         save_total_limit=2,
@@ -368,17 +421,16 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
     )
     samples_per_update = args.batch_size * args.grad_accum * ctx.world_size
     progress = Progress(args.max_steps)
-    trainer = AccoTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        data_collator=PadCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=[progress],
-        acco_mode=args.mode,
-        acco_accumulate_while_waiting=args.accumulate_while_waiting,
-    )
+    budget = TimeBudget(args.time_budget) if args.time_budget is not None else None
+    common = dict(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                  data_collator=PadCollator(tokenizer.pad_token_id), processing_class=tokenizer,
+                  callbacks=[progress] + ([budget] if budget else []))
+    if args.mode == "trainer":
+        trainer = Trainer(**common)
+    else:
+        local = {"sync_every": args.sync_every, "sync_delay": args.sync_delay}
+        trainer = AccoTrainer(**common, acco_mode=args.mode, acco_accumulate_while_waiting=args.accumulate_while_waiting,
+                              acco_kwargs={name: value for name, value in local.items() if value is not None})
     trainer.remove_callback(PrinterCallback)  # Progress prints rank 0's lines instead of every log dict
     print0(
         ctx,
@@ -401,6 +453,9 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
     print0(ctx, f"{output.global_step - progress.first_step} updates, {samples:,} samples{extra} in {seconds:.1f} s "
                 f"({samples / seconds:.1f} samples/s, evaluation included)")
     print0(ctx, f"eval loss {first:.4f} -> {final:.4f}")
+    if budget is not None:  # the model train() ended with (local mode: after finish()'s last outer round)
+        print0(ctx, f"time budget {budget.seconds:.0f} s: {output.global_step} updates in {budget.trained:.1f} s of "
+                    f"training | eval loss after training {trainer.evaluate()['eval_loss']:.4f}")
     trainer.save_model(str(Path(args.output_dir) / "final"))
 
 

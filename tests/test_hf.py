@@ -249,8 +249,99 @@ def resume_then_accumulate_while_waiting(output_dir: str) -> dict:
             "extra": logged(waiting, "acco_extra_micro_batches"), "hidden": logged(waiting, "acco_hidden_share")}
 
 
-def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
-    """No torchrun: rejected settings, a plain run, and a resume of a 2-rank checkpoint."""
+LOCAL_KWARGS = {"sync_every": 2, "sync_delay": 1}  # a round launched after every even step lands one step later
+
+
+def counting_examples(count: int = 64, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Padded sequences of 3 to 16 tokens that count up from a random start: a pattern a tiny
+    model learns within a few updates, so the loss visibly falls."""
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(count):
+        length = int(torch.randint(3, SEQ_LEN + 1, (1,), generator=generator))
+        start = int(torch.randint(0, 63, (1,), generator=generator))
+        ids = (start + torch.arange(SEQ_LEN)) % 63 + 1
+        labels, mask = ids.clone(), torch.ones(SEQ_LEN, dtype=torch.long)
+        ids[length:], labels[length:], mask[length:] = 0, -100, 0
+        examples.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return examples
+
+
+def local_args(output_dir: str):
+    """6 inner updates of 2 micro-batches; checkpoints at 2, 4 and 6 (a round in flight at each),
+    evaluations at 3 (right after a landing) and 6 (a round in flight)."""
+    return training_args(output_dir, gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3,
+                         save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=3,
+                         per_device_eval_batch_size=4)
+
+
+def named_global_values(acco, model) -> dict[str, torch.Tensor]:
+    """``acco.global_parameters()`` by the model's parameter names."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: value for group, values in zip(acco.param_groups, acco.global_parameters())
+            for p, value in zip(group["params"], values)}
+
+
+class LocalProbe(TrainerCallback):
+    """At every step's end (before AccoTrainer's own callback puts the global values in the model
+    for an evaluation or a save): this replica's parameters and the global values; at every
+    evaluation, the parameters it sees."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.live: dict[int, dict[str, torch.Tensor]] = {}
+        self.global_values: dict[int, dict[str, torch.Tensor]] = {}
+        self.evaluated: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.live[state.global_step] = params_of(model)
+        self.global_values[state.global_step] = named_global_values(self.trainer.acco_optimizer, model)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        self.evaluated.setdefault(state.global_step, params_of(model))
+
+
+def local_trainer(output_dir: str, seed: int = 0, callbacks=()):
+    from acco.integrations.hf import AccoTrainer
+
+    examples = counting_examples()
+    return AccoTrainer(model=tiny_llama(seed), args=local_args(output_dir), train_dataset=examples,
+                       eval_dataset=examples[:8], callbacks=list(callbacks), acco_mode="local",
+                       acco_kwargs=LOCAL_KWARGS)
+
+
+def local_steps(output_dir: str) -> dict:
+    """AccoTrainer(acco_mode="local"): 6 inner updates, evaluated after training too."""
+    from safetensors.torch import load_file
+
+    probe = LocalProbe()
+    trainer = local_trainer(f"{output_dir}/whole", callbacks=[probe])
+    probe.trainer = trainer
+    trainer.train()
+    acco = trainer.acco_optimizer
+    return {
+        "params": params_of(trainer.model), "global_values": named_global_values(acco, trainer.model),
+        "updates": acco.num_updates, "steps": trainer.state.global_step, "outer": acco.outer_rounds,
+        "wrapped": type(trainer.model_wrapped).__name__, "loss": logged(trainer, "loss"),
+        "eval_loss": logged(trainer, "eval_loss"), "after_training": trainer.evaluate()["eval_loss"],
+        "live": probe.live, "global_at": probe.global_values, "evaluated": probe.evaluated,
+        "saved": {step: load_file(f"{output_dir}/whole/checkpoint-{step}/model.safetensors") for step in (2, 4)},
+        "outer_rounds": logged(trainer, "acco_outer_rounds"), "outer_bytes": logged(trainer, "acco_outer_bytes"),
+        "hidden": logged(trainer, "acco_hidden_share"),
+    }
+
+
+def local_steps_resumed(output_dir: str) -> dict:
+    """New processes: the local run resumed from its checkpoint at step 2 (a round in flight)."""
+    resumed = local_trainer(f"{output_dir}/resumed", seed=5)
+    resumed.train(resume_from_checkpoint=f"{output_dir}/whole/checkpoint-2")
+    return {"params": params_of(resumed.model), "updates": resumed.acco_optimizer.num_updates,
+            "outer": resumed.acco_optimizer.outer_rounds, "loss": logged(resumed, "loss")}
+
+
+def one_process(output_dir: str, two_rank_checkpoint: str, local_checkpoint: str) -> dict:
+    """No torchrun: rejected settings, a plain run, and resumes of a 2-rank checkpoint (acco
+    mode) and of a 2-replica one (local mode)."""
     import copy
 
     from safetensors.torch import load_file
@@ -284,6 +375,12 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
         "optimizer_cls_and_kwargs": dict(args=base, optimizer_cls_and_kwargs=(lambda: None, {})),
         "IterableDataset": dict(args=base, acco_accumulate_while_waiting=True, train_dataset=type(
             "Stream", (IterableDataset,), {"__iter__": lambda self: iter(examples)})()),
+        # mode="local": its own arguments in another mode, and what it cannot honour.
+        "sync_every": dict(args=base, acco_mode="acco", acco_kwargs={"sync_every": 2}),
+        "sync_delay": dict(args=base, acco_mode="local", acco_kwargs={"sync_every": 2, "sync_delay": 3}),
+        "overlap": dict(args=base, acco_mode="local", acco_kwargs={"overlap": "sometimes"}),
+        "param_dtype": dict(args=base, acco_mode="local", acco_kwargs={"param_dtype": torch.bfloat16}),
+        "acco_accumulate_while_waiting": dict(args=base, acco_mode="local", acco_accumulate_while_waiting=True),
     }
     messages = {}
     for name, kwargs in rejected.items():
@@ -310,13 +407,25 @@ def one_process(output_dir: str, two_rank_checkpoint: str) -> dict:
                           train_dataset=examples, callbacks=[Loaded()])
     resumed.train(resume_from_checkpoint=two_rank_checkpoint)
 
+    class LoadedLocal(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen["local_global"] = named_global_values(local.acco_optimizer, model)
+            seen["local_live"] = params_of(model)
+
+    local = local_trainer(f"{output_dir}/local", seed=5, callbacks=[LoadedLocal()])
+    local.train(resume_from_checkpoint=local_checkpoint)
+
     bf16 = AccoTrainer(model=tiny_llama(), args=training_args(f"{output_dir}/bf16", bf16=True, max_steps=2),
                        train_dataset=examples)
     bf16.train()
     return {"bf16_loss": logged(bf16, "loss"), "bf16_dtypes": {p.dtype for p in bf16.model.parameters()},"rejected": messages, "plain_updates": plain.acco_optimizer.num_updates,
             "plain_loss": logged(plain, "loss"), "resumed_updates": resumed.acco_optimizer.num_updates,
             "committed_at_resume": seen["committed"],
-            "checkpoint": load_file(f"{two_rank_checkpoint}/model.safetensors")}
+            "checkpoint": load_file(f"{two_rank_checkpoint}/model.safetensors"),
+            "local_global": seen["local_global"], "local_live": seen["local_live"],
+            "local_checkpoint": load_file(f"{local_checkpoint}/model.safetensors"),
+            "local_updates": local.acco_optimizer.num_updates, "local_params": params_of(local.model),
+            "local_end": named_global_values(local.acco_optimizer, local.model)}
 
 
 # --------------------------------------------------------------------------- tests
@@ -393,12 +502,15 @@ def test_resume_after_a_stop_is_exact_and_accumulate_while_waiting(stopped_run) 
     assert_params_close(second[0]["waiting"], second[1]["waiting"], rtol=0, atol=0)
 
 
-def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tmp_path) -> None:
+def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, local_run, tmp_path) -> None:
     """Without torchrun: unsupported settings are refused naming the argument, a plain and a bf16 run
-    train, and a 2-rank checkpoint resumes on 1 rank at its committed parameters."""
+    train, a 2-rank checkpoint resumes on 1 rank at its committed parameters, and a 2-replica
+    local-mode one by the documented rule (the global values, and rank 0's replica)."""
     directory, first = stopped_run
     checkpoint = str(directory / "stopped" / "checkpoint-3")
-    (result,) = run_fresh(one_process, str(tmp_path), checkpoint, world_size=1, torchrun=False)
+    local_directory, local = local_run
+    (result,) = run_fresh(one_process, str(tmp_path), checkpoint, str(local_directory / "whole" / "checkpoint-2"),
+                          world_size=1, torchrun=False)
     for name, message in result["rejected"].items():
         assert message != "accepted", name
         assert name in message, (name, message)
@@ -410,6 +522,52 @@ def test_one_process_rejected_settings_and_resume_from_two_ranks(stopped_run, tm
     assert_params_close(result["committed_at_resume"], result["checkpoint"], rtol=0, atol=0)
     assert result["resumed_updates"] == 6
     assert first[0]["stopped_updates"] == 3
+    # 2 replicas -> 1: the global values resharded, the replica rank 0's; then on to the end.
+    assert_params_close(result["local_global"], result["local_checkpoint"], rtol=0, atol=0)
+    assert_params_close(result["local_live"], local[0]["live"][2], rtol=0, atol=0)
+    assert result["local_updates"] == 6
+    assert_params_close(result["local_params"], result["local_end"], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """Two replicas: AccoTrainer(acco_mode="local"), checkpoints at 2, 4 and 6."""
+    directory = tmp_path_factory.mktemp("local")
+    return directory, run_fresh(local_steps, str(directory))
+
+
+def test_local_mode_trains_evaluates_global_values_and_resumes_exactly(local_run) -> None:
+    """AccoTrainer(acco_mode="local") on 2 ranks: the loss falls, no DDP, one inner update per Trainer
+    step; evaluations and checkpoints hold the global values while the replicas differ; every rank
+    ends at the same parameters; a resume from a checkpoint with a round in flight ends where the
+    uninterrupted run does."""
+    directory, whole = local_run
+    for result in whole:
+        assert result["wrapped"] == "LlamaForCausalLM"
+        assert result["updates"] == result["steps"] == 6 and result["outer"] == 3  # landed at 3, 5, and by finish()
+        assert len(result["loss"]) == 6 and max(result["loss"][-2:]) < min(result["loss"][:2])
+        assert len(result["eval_loss"]) == 2 and all(math.isfinite(x) for x in result["eval_loss"])
+        assert math.isfinite(result["after_training"])
+        assert_params_close(result["params"], result["global_values"], rtol=0, atol=0)
+        # Evaluations and checkpoints: the global values of the last landed round (at 6 and 4 this
+        # replica's own parameters have moved on; at 3 a round has just landed).
+        for step, evaluated in result["evaluated"].items():
+            assert_params_close(evaluated, result["global_at"][step], rtol=0, atol=0)
+        assert sorted(result["evaluated"]) == [3, 6]
+        for step, saved in result["saved"].items():
+            assert_params_close(saved, result["global_at"][step], rtol=0, atol=0)
+        assert not torch.equal(result["live"][4]["model.norm.weight"], result["global_at"][4]["model.norm.weight"])
+        # Logs: the outer rounds landed so far (one at 3, one at 5), and their bytes.
+        assert result["outer_rounds"] == [0, 0, 1, 1, 2, 2]
+        assert sum(result["outer_bytes"]) > 0 and all(0.0 <= h <= 1.0 for h in result["hidden"])
+    # The replicas differ between rounds, and end identical.
+    assert not torch.equal(whole[0]["live"][4]["model.norm.weight"], whole[1]["live"][4]["model.norm.weight"])
+    assert_params_close(whole[0]["params"], whole[1]["params"], rtol=0, atol=0)
+    resumed = run_fresh(local_steps_resumed, str(directory))  # new processes: only files carry over
+    for before, after in zip(whole, resumed):
+        assert after["updates"] == 6 and after["outer"] == 3
+        assert after["loss"] == before["loss"]  # the first 2 from the checkpoint's log history, the rest recomputed
+        assert_params_close(after["params"], before["params"], rtol=0, atol=0)  # bit for bit (integer sync_delay)
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])

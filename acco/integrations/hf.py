@@ -11,6 +11,14 @@ every mode, of ``gradient_accumulation_steps`` (K) micro-batches per rank:
 - ``acco``: two rounds of K/2 micro-batches. The estimate round ends inside
   :meth:`AccoTrainer.training_step`, after the first half of the micro-batches; the commit
   round ends at the Trainer's ``optimizer.step()``.
+- ``local``: one inner update of this replica (K micro-batches, no collective); every
+  ``sync_every`` steps an outer round averages the replicas on the comm lane and lands
+  ``sync_delay`` steps later, as in a hand-written loop (docs/api.md, ``mode="local"``).
+  The LR schedule drives the inner learning rate; the logged ``loss`` is the Trainer's mean
+  over ranks of each replica's loss on its own parameters (not the global values').
+  Evaluations and checkpoints see the global values of the last landed round
+  (``AccoOptimizer.eval()`` in this mode: no wait, no collective), and ``finish()`` at the
+  end runs one more outer round so every replica ends at the same, global parameters.
 
 So ``max_steps``, ``save_steps``, ``eval_steps``, ``logging_steps`` and the warm-up and
 length of the LR schedule count committed updates, as with ``Trainer``. In ``acco`` and
@@ -44,7 +52,10 @@ What differs from ``Trainer`` under the hood, and why:
 - acco's telemetry joins the training logs: ``acco_hidden_share`` (share of the comm lane's
   time hidden behind compute), ``acco_micro_batches_per_round`` (this rank) and
   ``acco_global_micro_batches_per_round``, ``acco_wait_s`` (time ``step()`` blocked since the
-  last log) and ``grad_norm`` (the norm acco clipped, of the last committed update).
+  last log) and ``grad_norm`` (the norm acco clipped, of the last committed update); in
+  ``local`` mode ``acco_outer_rounds`` and ``acco_skipped_outer_rounds`` (landed so far),
+  ``acco_outer_bytes`` (of those landed since the last log) and no ``grad_norm`` (each
+  replica clips its own gradient).
 """
 
 from __future__ import annotations
@@ -73,13 +84,18 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
-from acco.options import parse_enum
+from acco.options import Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
 ACCO_CHECKPOINT_DIR = "acco"  # inside each Trainer checkpoint: acco's sharded optimizer state
 _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look for it find it
-_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers")
+_ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
+# mode="local"'s own arguments (outer_bits once AccoOptimizer takes it).
+_LOCAL_KWARGS = tuple(
+    name for name in ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits") if name in _ACCO_SIGNATURE
+)
+_ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers", *_LOCAL_KWARGS)
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 # Names whose optimizer needs the model or its own train()/eval() (LOMO, schedule-free):
@@ -158,7 +174,8 @@ class AccoTrainer(Trainer):
 
     Args:
         acco_mode: ``"acco"`` (estimate + commit rounds of K/2 micro-batches each; K =
-            ``gradient_accumulation_steps`` must be even), ``"dpu"`` or ``"sync"``.
+            ``gradient_accumulation_steps`` must be even), ``"dpu"``, ``"sync"`` or
+            ``"local"`` (one inner update per step, an outer round every ``sync_every``).
         acco_accumulate_while_waiting: at each round boundary, while the round in flight has
             not landed, keep computing micro-batches instead of waiting (a fast rank never
             idles). The extra micro-batches come from a separate pass over this rank's share
@@ -166,9 +183,11 @@ class AccoTrainer(Trainer):
             the scheduled ``max_steps * K`` micro-batches per rank are unchanged and every
             update covers those plus the extra ones: the samples trained on grow with the time
             the network takes (``acco_extra_micro_batches`` in the logs counts them), and a
-            resume is no longer bit-exact.
+            resume is no longer bit-exact. Not with ``acco_mode="local"``.
         acco_kwargs: further ``AccoOptimizer`` arguments: ``layout``, ``param_dtype``,
-            ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``.
+            ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``; with
+            ``acco_mode="local"`` also ``sync_every``, ``sync_delay``, ``overlap``,
+            ``outer_optimizer``. Checked as ``AccoOptimizer`` checks them, here.
         *args, **kwargs: those of ``transformers.Trainer``.
 
     Raises:
@@ -179,7 +198,10 @@ class AccoTrainer(Trainer):
             ``lr_scheduler_type``, an odd ``gradient_accumulation_steps`` in ``acco`` mode, an
             ``optim`` that does not map to a torch (or transformers) optimizer class, more than
             one GPU per process, a model already wrapped in DDP, or ``optimizers=(...)`` (acco
-            builds its own optimizer and schedule).
+            builds its own optimizer and schedule); ``local`` mode's ``acco_kwargs`` in another
+            mode, ``param_dtype``/``reduce_dtype`` or ``acco_accumulate_while_waiting`` in
+            ``local`` mode.
+        TypeError: an ``acco_kwargs`` value of the wrong type (as ``AccoOptimizer``).
 
     Example::
 
@@ -212,6 +234,19 @@ class AccoTrainer(Trainer):
                 f"Invalid acco_kwargs {unknown}: AccoTrainer passes {list(_ACCO_KWARGS)}; mode comes from acco_mode, "
                 "max_grad_norm and the base optimizer from TrainingArguments"
             )
+        local_only = sorted(set(self.acco_kwargs) & set(_LOCAL_KWARGS))
+        if local_only and self.acco_mode is not Mode.LOCAL:
+            raise ValueError(
+                f"Invalid acco_kwargs {local_only} with acco_mode={self.acco_mode.value!r}: they set the outer rounds "
+                "of acco_mode='local'; pass that mode or leave them out"
+            )
+        if acco_accumulate_while_waiting and self.acco_mode is Mode.LOCAL:
+            raise ValueError(
+                "Invalid acco_accumulate_while_waiting=True with acco_mode='local': an inner step waits for the link "
+                "only where a fixed sync_delay lands a round that has not arrived; acco_kwargs sync_delay='auto' "
+                "lands each round once it has, so no replica waits"
+            )
+        _check_acco_options(self.acco_mode, self.acco_kwargs)
         if bound.get("args") is not None:
             _check_training_args(bound["args"], self.acco_mode)
         optimizers = bound.get("optimizers", (None, None))
@@ -500,12 +535,20 @@ class AccoTrainer(Trainer):
             self._last_logged_round = rounds[-1].index
         # A round replayed from a checkpoint only all-gathers again: it computed nothing here.
         rounds = [s for s in rounds if not s.replayed]
+        gradient_rounds = [s for s in rounds if s.kind is not RoundKind.OUTER]  # an outer round carries parameters
         out: dict[str, float] = {}
         if rounds:
             out["acco_hidden_share"] = statistics.fmean(s.hidden_share for s in rounds)
-            out["acco_micro_batches_per_round"] = statistics.fmean(s.local_micro_batches for s in rounds)
-            out["acco_global_micro_batches_per_round"] = statistics.fmean(s.global_micro_batches for s in rounds)
             out["acco_wait_s"] = math.fsum(s.wait_seconds for s in rounds)
+        if gradient_rounds:
+            out["acco_micro_batches_per_round"] = statistics.fmean(s.local_micro_batches for s in gradient_rounds)
+            out["acco_global_micro_batches_per_round"] = statistics.fmean(
+                s.global_micro_batches for s in gradient_rounds
+            )
+        if self.acco_mode is Mode.LOCAL:  # the outer rounds so far, and the bytes of those landed since the last log
+            out["acco_outer_rounds"] = float(acco.outer_rounds)
+            out["acco_skipped_outer_rounds"] = float(acco.skipped_outer_rounds)
+            out["acco_outer_bytes"] = float(sum(s.collective_bytes for s in rounds if s.kind is RoundKind.OUTER))
         if self.acco_accumulate_while_waiting:
             out["acco_extra_micro_batches"] = float(self._extra_micro_batches)
         # The Trainer's own grad_norm is of p.grad, which accumulate() consumed: report acco's.
@@ -650,6 +693,15 @@ def _token_weights(batches: Sequence[Any], counts_tokens: bool, shifts_labels: b
         return [float(n) for n in torch.stack([t.ne(-100).sum() for t in labels]).tolist()]
     except (TypeError, AttributeError, RuntimeError):  # labels that are not tensors
         return [1.0] * len(batches)
+
+
+def _check_acco_options(mode: Mode, acco_kwargs: Mapping[str, Any]) -> None:
+    """AccoOptimizer's own checks of ``acco_kwargs`` (``ValueError`` / ``TypeError`` naming
+    the bad value), run when the trainer is made: the optimizer itself is built only when
+    training starts, after the model has moved and the process group exists."""
+    checked = inspect.signature(Options.check).parameters
+    given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
+    Options.check(**{name: v for name, v in {**given, **acco_kwargs, "mode": mode}.items() if name in checked})
 
 
 def _check_training_args(args: TrainingArguments, mode: Mode) -> None:
