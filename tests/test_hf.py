@@ -379,6 +379,8 @@ def one_process(output_dir: str, two_rank_checkpoint: str, local_checkpoint: str
         "sync_every": dict(args=base, acco_mode="acco", acco_kwargs={"sync_every": 2}),
         "sync_delay": dict(args=base, acco_mode="local", acco_kwargs={"sync_every": 2, "sync_delay": 3}),
         "overlap": dict(args=base, acco_mode="local", acco_kwargs={"overlap": "sometimes"}),
+        "outer_bits": dict(args=base, acco_mode="local", acco_kwargs={"outer_bits": 3}),
+        "outer_error_feedback": dict(args=base, acco_mode="dpu", acco_kwargs={"outer_error_feedback": False}),
         "param_dtype": dict(args=base, acco_mode="local", acco_kwargs={"param_dtype": torch.bfloat16}),
         "acco_accumulate_while_waiting": dict(args=base, acco_mode="local", acco_accumulate_while_waiting=True),
     }

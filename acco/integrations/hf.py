@@ -91,10 +91,8 @@ __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 ACCO_CHECKPOINT_DIR = "acco"  # inside each Trainer checkpoint: acco's sharded optimizer state
 _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look for it find it
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
-# mode="local"'s own arguments (outer_bits once AccoOptimizer takes it).
-_LOCAL_KWARGS = tuple(
-    name for name in ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits") if name in _ACCO_SIGNATURE
-)
+# mode="local"'s own arguments.
+_LOCAL_KWARGS = ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits", "outer_error_feedback")
 _ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers", *_LOCAL_KWARGS)
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
@@ -187,7 +185,8 @@ class AccoTrainer(Trainer):
         acco_kwargs: further ``AccoOptimizer`` arguments: ``layout``, ``param_dtype``,
             ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``; with
             ``acco_mode="local"`` also ``sync_every``, ``sync_delay``, ``overlap``,
-            ``outer_optimizer``. Checked as ``AccoOptimizer`` checks them, here.
+            ``outer_optimizer``, ``outer_bits``, ``outer_error_feedback``. Checked as
+            ``AccoOptimizer`` checks them, here.
         *args, **kwargs: those of ``transformers.Trainer``.
 
     Raises:
