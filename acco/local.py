@@ -481,7 +481,7 @@ class QuantizedLegs:
                 pieces = [(max(s.offset, first) - first, min(s.offset + s.numel, last) - first)
                           for s in sorted(plan.slots, key=lambda s: s.offset)
                           if s.numel and s.offset < last and s.offset + s.numel > first]  # fmt: skip
-                rows.append(RowBlocks(pieces, plan.chunk, self._codec.block, group.device))
+                rows.append(RowBlocks(pieces, plan.chunk, self._codec.block))
             self._rows[number] = rows
         return self._rows[number]
 

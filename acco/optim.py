@@ -173,7 +173,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             dropped (``"discard"``, default: every replica takes the new global values) or
             kept on top of them (``"keep"``).
         outer_bits: ``local`` only: bits per value an outer round sends on each leg, scales
-            included: 32 (fp32, default), 16 (bf16), 8 or 4 (integers, a bf16 scale per 64).
+            included: 32 (fp32), 16 (bf16), 8 or 4 (default; integers, a bf16 scale per 64).
         outer_error_feedback: ``local`` only, below 16 bits: what quantising a pseudo-gradient
             dropped is sent with the next (default True; one model size in fp32 per rank).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name

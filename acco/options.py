@@ -96,9 +96,11 @@ DEFAULT_SYNC_EVERY = 30
 AUTO, HALF = "auto", "half"
 DEFAULT_SYNC_DELAY = HALF
 DEFAULT_OVERLAP = "discard"
-# Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"; chosen by
-# benchmarks/outer_bits.py), and whether below 16 what quantisation dropped is sent later.
-DEFAULT_OUTER_BITS = 32
+# Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"): 4 measured as
+# fp32 at equal inner steps and on an unlimited link, and ahead behind 20 and 50 Mbit/s
+# (docs/loops.md, "Lighter outer rounds"); and whether below 16 what quantisation dropped is
+# sent later.
+DEFAULT_OUTER_BITS = 4
 DEFAULT_OUTER_ERROR_FEEDBACK = True
 
 

@@ -72,24 +72,39 @@ class RowBlocks:
     """Where one row's blocks take their values: every parameter's piece of the row is cut
     into blocks of its own from the piece's start, so a block never mixes two tensors (whose
     magnitudes differ) and a parameter's blocks depend only on its own values; the row's
-    padding is not sent.
+    padding is not sent. Kept as one ``(start in the row, start in the blocks, length)`` per
+    piece, not as an index: no per-value memory between rounds.
 
     Args:
         pieces: ``(start, stop)`` of each parameter's piece of the row, in order.
         length: the row's length.
         block: values per block.
-        device: where the index lives.
     """
 
-    def __init__(self, pieces: list[tuple[int, int]], length: int, block: int, device: torch.device) -> None:
-        parts = [torch.empty(0, dtype=torch.long)]
-        for start, stop in pieces:
-            positions = torch.arange(start, start + math.ceil((stop - start) / block) * block)
-            parts.append(positions.masked_fill_(positions >= stop, length))  # padding reads the zero after the row
-        index = torch.cat(parts)
+    def __init__(self, pieces: list[tuple[int, int]], length: int, block: int) -> None:
         self.length = length
-        self.blocks = index.numel() // block
-        self.index = index.to(device)
+        self.pieces: list[tuple[int, int, int]] = []
+        offset = 0
+        for start, stop in pieces:
+            self.pieces.append((start, offset, stop - start))
+            offset += math.ceil((stop - start) / block) * block
+        self.blocks = offset // block
+
+    def gather(self, row: Tensor, block: int) -> Tensor:
+        """The row's blocks as a new fp32 ``(blocks, block)`` tensor, each piece's last block
+        padded with zeros."""
+        values = torch.zeros(self.blocks * block, dtype=torch.float32, device=row.device)
+        for start, offset, count in self.pieces:
+            values[offset : offset + count].copy_(row[start : start + count])
+        return values.view(self.blocks, block)
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """The blocks' values back in a new fp32 row, zero outside the pieces."""
+        row = torch.zeros(self.length, dtype=torch.float32, device=values.device)
+        flat = values.view(-1)
+        for start, offset, count in self.pieces:
+            row[start : start + count].copy_(flat[offset : offset + count])
+        return row
 
 
 class BlockCodec:
@@ -128,8 +143,7 @@ class BlockCodec:
         """``row`` (1-D, floating) as a new ``uint8`` tensor of :meth:`row_bytes`."""
         if self.bits == 16:
             return row.to(torch.bfloat16).view(torch.uint8)
-        padded = torch.cat([row.float(), row.new_zeros(1, dtype=torch.float32)])[blocks.index]
-        padded = padded.view(blocks.blocks, self.block)
+        padded = blocks.gather(row, self.block)
         scales = (padded.abs().amax(dim=1) / self.levels).to(torch.bfloat16)
         # A zero block (or one too small for a normal bf16 scale) keeps scale 0: its values
         # decode to zero, never to NaN (0 / 0).
@@ -154,7 +168,4 @@ class BlockCodec:
             values = torch.stack([values & 0xF, values >> 4], dim=-1).view(-1).to(torch.int16) - 8
         else:
             values = values.view(torch.int8)
-        decoded = values.float().view(blocks.blocks, self.block).mul_(scales[:, None])
-        out = torch.zeros(blocks.length + 1, dtype=torch.float32, device=row.device)
-        out[blocks.index] = decoded.view(-1)  # padding lands on the extra last value, dropped
-        return out[: blocks.length]
+        return blocks.scatter(values.float().view(blocks.blocks, self.block).mul_(scales[:, None]))

@@ -13,7 +13,10 @@ fp4 e2m1 (Streaming DiLoCo's FP4) as alternatives. Written to results/outer_bits
 The tables read benchmarks/results/ (commands in docs/loops.md):
 
 - ``time_to_loss-outer-bits-steps.json``: equal inner steps, unlimited link;
-- ``time_to_loss-outer-bits-20mbit.json``: 30 s behind a 20 Mbit/s loopback.
+- ``time_to_loss-outer-bits-20mbit.json``: 30 s behind a 20 Mbit/s loopback;
+- ``time_to_loss-outer-bits-50mbit.json``: 30 s, unlimited and behind 50 Mbit/s.
+
+They ran while 32 bits was the default: a name without ``-bB`` is 32 bits there.
 """
 
 from __future__ import annotations
@@ -135,20 +138,27 @@ def runs_table(path: Path) -> str:
     if not path.exists():
         return f"({path.name} not measured)"
     data = json.loads(path.read_text())
-    rows = ["| seed | method | held-out loss | vs 32 bits | inner steps | outer rounds | loopback bytes per outer round |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| link | seed | method | held-out loss | vs 32 bits | inner steps | outer rounds | loopback MB per outer round "
+            "(vs 32 bits) |", "|---|---|---|---|---|---|---|---|"]
     for run in data["runs"]:
         methods = run["methods"]
         for name, m in methods.items():
             if "final_loss" not in m:
                 continue
-            base = methods.get(_full_precision(name), {}).get("final_loss")
-            versus = "-" if base is None or base == m["final_loss"] else f"{(m['final_loss'] / base - 1) * 100:+.2f}%"
-            per_round = m.get("lo_bytes_per_sync")
-            rows.append(f"| {run['seed']} | {common.label(name)} | {m['final_loss']:.4f} | {versus} | "
-                        f"{m.get('inner_steps', '-')} | {m.get('outer_steps', '-')} | "
-                        f"{'-' if per_round is None else f'{per_round / 1e6:.2f} MB'} |")
+            base = methods.get(_full_precision(name), {})
+            versus = "-" if base is m else f"{(m['final_loss'] / base['final_loss'] - 1) * 100:+.2f}%"
+            per_round, base_round = m.get("lo_bytes_per_sync"), base.get("lo_bytes_per_sync")
+            wire = "-" if per_round is None else f"{per_round / 1e6:.3f}"
+            if per_round is not None and base_round and base is not m:
+                wire += f" ({per_round / base_round:.3f})"
+            rows.append(f"| {run['rate']} | {run['seed']} | {_bits_label(name)} | {m['final_loss']:.4f} | {versus} | "
+                        f"{m.get('inner_steps', '-')} | {m.get('outer_steps', '-')} | {wire} |")
     return "\n".join(rows)
+
+
+def _bits_label(name: str) -> str:
+    """The method's label, 32 bits named where the run's default was."""
+    return common.label(name if "-b" in name else name + "-b32")
 
 
 def _full_precision(name: str) -> str:
@@ -165,8 +175,8 @@ def main() -> None:
         common.write_json(RESULTS / "outer_bits-formats.json", {
             "command": "python benchmarks/outer_bits.py --formats", "rounds": len(rounds),
             "parameters": sum(t.numel() for t in rounds[0]), "formats": measure(rounds)})
-    print(formats_table(), "", runs_table(RESULTS / "time_to_loss-outer-bits-steps.json"), "",
-          runs_table(RESULTS / "time_to_loss-outer-bits-20mbit.json"), sep="\n")
+    print(formats_table(), *(runs_table(RESULTS / f"time_to_loss-outer-bits-{name}.json") for name in ("steps", "20mbit", "50mbit")),
+          sep="\n\n")
 
 
 if __name__ == "__main__":

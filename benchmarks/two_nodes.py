@@ -72,14 +72,12 @@ METHODS: dict[str, Spec] = {
     "fsdp-acco": Spec("FSDP2 inside + acco `acco` across", "fsdp", "acco"),
     "fsdp-acco-aww": Spec("FSDP2 inside + acco `acco` across, `ready()` loop", "fsdp", "acco", ready_loop=True),
     "flat-acco": Spec("flat acco `acco` on 4 ranks (no FSDP2)", "none", "acco"),
-    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, default delay", "fsdp", "local",
+    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, default delay and bits", "fsdp", "local",
                        local={"sync_every": 16}),
     "fsdp-local-blocking": Spec("FSDP2 inside + acco `local` across, H = 16, blocking", "fsdp", "local",
                                 local={"sync_every": 16, "sync_delay": 0}),
-    "fsdp-local-b8": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 8 bits", "fsdp", "local",
-                          local={"sync_every": 16, "outer_bits": 8}),
-    "fsdp-local-b4": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 4 bits", "fsdp", "local",
-                          local={"sync_every": 16, "outer_bits": 4}),
+    "fsdp-local-b32": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 32 bits", "fsdp", "local",
+                           local={"sync_every": 16, "outer_bits": 32}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.
     "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
                                     local={"sync_every": 10**9, "sync_delay": 0}),
@@ -90,10 +88,11 @@ MESHES = ((1, 4), (2, 2), (4, 1))  # (R, S) of the memory table, on 4 ranks
 # The memory table's model: large enough that buffers dwarf the activations and the padding.
 MEMORY_MODEL = common.ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64, batch_size=1)
 KINDS = ("parameters", "gradients", "accumulator", "hand-over", "all-gather buffer", "master shard",
-         "master gradient", "optimizer state", "estimate copy", "handed over", "outer state")
+         "master gradient", "optimizer state", "estimate copy", "handed over", "global values", "outer residual",
+         "outer state")
 ACCO_BUFFERS = {"grad_accumulator": "accumulator", "grad_handover": "hand-over", "gathered": "all-gather buffer",
                 "master": "master shard", "master_grad": "master gradient", "estimate_copy": "estimate copy",
-                "handed_over": "handed over"}
+                "handed_over": "handed over", "global_values": "global values", "outer_residual": "outer residual"}
 MiB = 2**20
 
 

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.timeout(120)
 
 H = 3
 MAX_NORM = 0.5
+# The tests held to the fp32 recurrence send fp32 (the default, 4 bits: tests/test_outer_bits.py);
+# the others run the default.
+FP32 = {"outer_bits": 32}
 
 
 def step_data(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -82,7 +85,7 @@ def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     and every replica holds the new global values after every outer round; a last round at
     finish() carries the inner steps since (8 steps: rounds after 3, 6 and at the end)."""
     steps = 8
-    results = ranks(world_size).run(run_rank, steps, optimizer, layout, True, {"sync_every": H, "sync_delay": 0})
+    results = ranks(world_size).run(run_rank, steps, optimizer, layout, True, {"sync_every": H, "sync_delay": 0, **FP32})
     reference = expected(world_size, steps, optimizer, sync_every=H, sync_delay=0)
     assert_identical_across_ranks(results)
     for result in results:
@@ -100,7 +103,7 @@ def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
     each replica learnt meanwhile to the new global values, "discard" drops it; both equal the
     recurrence of docs/design.md on every rank, and every replica ends identical."""
     steps = 10
-    results = ranks(2).run(run_rank, steps, "adamw", "flat", False, {"sync_every": H, "sync_delay": delay, "overlap": overlap})
+    results = ranks(2).run(run_rank, steps, "adamw", "flat", False, {"sync_every": H, "sync_delay": delay, "overlap": overlap, **FP32})
     reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
     assert_identical_across_ranks(results)
     assert_params_close(results[0]["params"], reference[0])
@@ -194,7 +197,7 @@ def test_snapshot_and_outer_state_are_sharded(ranks, world_size) -> None:
         assert result["inner_state"] == 2 * 4 * numel  # exp_avg, exp_avg_sq of the whole replica
         sizes = result["bytes"]
         assert sizes["grad_accumulator"] == sizes["grad_handover"] == sizes["handed_over"] == 4 * padded
-        assert sizes["global_values"] == 4 * padded
+        assert sizes["global_values"] == sizes["outer_residual"] == 4 * padded  # the residual: 4 bits by default
         assert sizes["gathered"] == sizes["master_grad"] == sizes["estimate_copy"] == 0
 
 
@@ -287,7 +290,7 @@ def test_whole_tensor_outer_optimizer_refuses_a_flat_shard() -> None:
 
 def test_one_process_is_diloco_with_one_replica() -> None:
     """Without a process group (one replica) the mode still equals the recurrence."""
-    result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1, "overlap": "discard"})
+    result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1, "overlap": "discard", **FP32})
     assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1)[0])
 
 
@@ -302,7 +305,7 @@ def mesh_rank(inner: str, steps: int, delay: int) -> dict:
     model = build_inner(inner, mesh)
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=delay, overlap="discard", max_grad_norm=MAX_NORM, timeout=TIMEOUT, **hp)
+                        sync_delay=delay, overlap="discard", max_grad_norm=MAX_NORM, timeout=TIMEOUT, **FP32, **hp)
     for t in range(steps):
         for i in range(2):
             loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
@@ -334,15 +337,17 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
 
 def test_defaults() -> None:
     """sync_every 30, sync_delay "half" (sync_every // 2; 0 for sync_every 1), overlap "discard",
-    DiLoCo's outer Nesterov SGD: what measured best (docs/loops.md); typed defaults, which other
-    modes accept as passed (a configurator's)."""
+    DiLoCo's outer Nesterov SGD, 4 bits with error feedback: what measured best (docs/loops.md);
+    typed defaults, which other modes accept as passed (a configurator's)."""
     opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
     local = opt.options.local
     assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 15, "discard")
+    assert (local.outer_bits, local.error_feedback) == (4, True)
     assert opt.outer_optimizers[0].defaults["lr"] == 0.7 and opt.outer_optimizers[0].defaults["nesterov"]
     opt.finish()
     assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1).options.local.sync_delay == 0
-    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="half", overlap="discard")
+    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="half", overlap="discard",
+                         outer_bits=4, outer_error_feedback=True)
     assert same.options.local is None
     same.finish()
 

@@ -258,7 +258,7 @@ def test_block_codec_equals_the_reference_quantiser(bits, sizes, gap, seed, magn
     for size in sizes:
         pieces.append((start, start + size))
         start += size
-    codec, blocks = BlockCodec(bits), RowBlocks(pieces, length, 64, torch.device("cpu"))
+    codec, blocks = BlockCodec(bits), RowBlocks(pieces, length, 64)
     encoded = codec.encode(values, blocks)
     assert encoded.dtype == torch.uint8 and encoded.numel() == codec.row_bytes(blocks)
     if bits < 16:
