@@ -12,7 +12,7 @@ fp4 e2m1 (Streaming DiLoCo's FP4) as alternatives. Written to results/outer_bits
 
 The tables read benchmarks/results/ (commands in docs/loops.md):
 
-- ``time_to_loss-outer-bits-steps.json``: equal inner steps, unlimited link;
+- ``time_to_loss-outer-bits-steps.json`` and ``-steps-seed7.json``: equal inner steps, unlimited link;
 - ``time_to_loss-outer-bits-20mbit.json``: 30 s behind a 20 Mbit/s loopback;
 - ``time_to_loss-outer-bits-50mbit.json``: 30 s, unlimited and behind 50 Mbit/s.
 
@@ -145,11 +145,12 @@ def runs_table(path: Path) -> str:
         for name, m in methods.items():
             if "final_loss" not in m:
                 continue
-            base = methods.get(_full_precision(name), {})
-            versus = "-" if base is m else f"{(m['final_loss'] / base['final_loss'] - 1) * 100:+.2f}%"
+            full = _full_precision(name)
+            base = methods.get(full) or methods.get(full + "-b32") or {}
+            versus = "-" if base is m or not base else f"{(m['final_loss'] / base['final_loss'] - 1) * 100:+.2f}%"
             per_round, base_round = m.get("lo_bytes_per_sync"), base.get("lo_bytes_per_sync")
             wire = "-" if per_round is None else f"{per_round / 1e6:.3f}"
-            if per_round is not None and base_round and base is not m:
+            if per_round is not None and base_round and base is not m and base:
                 wire += f" ({per_round / base_round:.3f})"
             rows.append(f"| {run['rate']} | {run['seed']} | {_bits_label(name)} | {m['final_loss']:.4f} | {versus} | "
                         f"{m.get('inner_steps', '-')} | {m.get('outer_steps', '-')} | {wire} |")
@@ -175,7 +176,7 @@ def main() -> None:
         common.write_json(RESULTS / "outer_bits-formats.json", {
             "command": "python benchmarks/outer_bits.py --formats", "rounds": len(rounds),
             "parameters": sum(t.numel() for t in rounds[0]), "formats": measure(rounds)})
-    print(formats_table(), *(runs_table(RESULTS / f"time_to_loss-outer-bits-{name}.json") for name in ("steps", "20mbit", "50mbit")),
+    print(formats_table(), *(runs_table(RESULTS / f"time_to_loss-outer-bits-{name}.json") for name in ("steps", "steps-seed7", "20mbit", "50mbit")),
           sep="\n\n")
 
 
