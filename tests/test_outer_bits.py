@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from acco import AccoOptimizer
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
-from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
+from tests.reference import OPTIMIZERS, loss_fn, make_model, params_of
 from tests.test_local import H, MAX_NORM, build, expected, inner_step, step_data
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,3 +204,23 @@ def test_one_process_equals_the_recurrence() -> None:
     result = run_rank(7, {"sync_every": H, "sync_delay": 1, "outer_bits": 4})
     reference = expected(1, 7, "adamw", sync_every=H, sync_delay=1, outer_bits=4)
     assert_params_close(result["params"], reference[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_one_process_rounds_go_through_the_codec_on_the_device() -> None:
+    """On a GPU (no Triton, no CUDA-only kernel: torch ops only) the codec runs on the device:
+    the rounds move the same bytes as on the CPU and the run ends near the CPU one (a level
+    may round the other way where the two devices' arithmetic differ in the last bit)."""
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = make_model(seed=0).to(device)
+        opt = build(model, "adamw", sync_every=H, sync_delay=1, outer_bits=4)
+        for t in range(7):
+            for x, y, w in step_data(t, 0):
+                loss_fn(model, x.to(device), y.to(device)).backward()
+                opt.accumulate(w)
+            opt.step()
+        opt.finish()
+        results[device] = ({k: v.cpu() for k, v in params_of(model).items()}, [s.collective_bytes for s in opt.round_stats])
+    assert results["cuda"][1] == results["cpu"][1]
+    assert_params_close(results["cuda"][0], results["cpu"][0], rtol=0, atol=1e-2)
