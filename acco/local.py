@@ -12,7 +12,9 @@ launch (default ``sync_every // 2``), or with ``sync_delay="auto"`` at the first
 which the comm lane has finished it (at the latest ``sync_every`` steps after its launch): the
 replica takes the new global values, and what it learnt meanwhile is dropped
 (``overlap="discard"``, the default) or kept on top of them (``"keep"``). ``sync_delay=0`` is
-blocking DiLoCo. The recurrences: docs/design.md, "Local steps".
+blocking DiLoCo. ``outer_bits`` (4 by default) makes the round send differences, quantised
+(:class:`QuantizedLegs`). The recurrences: docs/design.md, "Local steps" and "Lighter outer
+rounds".
 
 :class:`LocalLoop` is the loop (:mod:`acco.loops` says what a loop is); :class:`InnerSteps`
 the inner update; :class:`LocalClock` when rounds launch and land; :class:`OuterRound` and
@@ -238,6 +240,7 @@ class LocalLoop(Loop):
             "round_weight": self._schedule.current.total(),
             "round_micro_batches": self._schedule.current.micro_batches,
             "replicas": self.lane_work.replicas,
+            "place": self.lane_work.place,
             "residuals": None if self.residuals is None else [per_param(g.plan, r) for g, r in zip(self._groups, self.residuals)],
         }
 
@@ -261,11 +264,12 @@ class LocalLoop(Loop):
             self._load_residuals(saved)
 
     def _load_residuals(self, saved: dict[str, Any]) -> None:
-        """This replica's residuals; zero when the state holds none (saved without error
-        feedback) or another replica's (saved at another number of replicas, where rank 0's
-        part is every rank's: its residual would count R times). What is dropped is less than
-        one quantisation step of each value of the last pseudo-gradient sent."""
-        if saved.get("residuals") is None or saved.get("replicas") != self.lane_work.replicas:
+        """This rank's residuals; zero when the state holds none (saved without error
+        feedback) or another rank's (saved at another number of ranks, or resharded to
+        another layout, where rank 0's part is every rank's: its residual would count R
+        times). What is dropped is less than one quantisation step of each value of the last
+        pseudo-gradient sent."""
+        if saved.get("residuals") is None or saved.get("place") != self.lane_work.place:
             for residual in self.residuals:
                 residual.zero_()
             return
@@ -329,6 +333,8 @@ class OuterRunner(LaneWork):
         # Each replica group's ranks hand over the same parameters' pieces once: a replica
         # counts once in the mean.
         self.replicas = self._mesh_comm.world_size // self._replica_size
+        # Who holds this rank's residual: its rank and the number of ranks of the whole mesh.
+        self.place = [self._mesh_comm.rank, self._mesh_comm.world_size]
 
     def run(self, round_: OuterRound) -> RoundStats:
         """One outer round.
@@ -346,7 +352,15 @@ class OuterRunner(LaneWork):
             if nonfinite:
                 if self._options.nonfinite is NonFinite.RAISE:
                     raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
-                return self._skip(round_)
+                if self._legs is None:
+                    return self._skip(round_)
+                stats.skipped = True  # the unchanged master shards through the gather leg, as a replay sends them
+                with record.phase(stats, "all-gather"):
+                    for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
+                        stats.collective_bytes += self._legs.gather(self._comm, group, number, snapshot)
+                self._synchronise_buffers(round_)
+                record.lane_end(stats)
+                return stats
             legs, sent = self._legs, 0
             with record.phase(stats, "reduce-scatter"):
                 for number, (group, params, snapshot) in enumerate(zip(self._groups, round_.params, self._snapshot)):
@@ -432,22 +446,25 @@ class QuantizedLegs:
 
     def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor) -> tuple[Tensor, int]:
         """The sum over ranks of the decoded pseudo-gradients of this rank's chunk (fp32, a
-        new tensor), and the bytes this rank sent (one row per rank, its own included).
-        ``params`` (the round's buffer) may be overwritten."""
-        codec, rows = self._codec, self._rows_of(group, number)
-        if self._residuals is not None:
-            payload = self._residuals[number]
-            payload.add_(self._global_values[number]).sub_(params)
-        else:
-            payload = params if params.dtype == torch.float32 else torch.empty(params.shape, dtype=torch.float32, device=params.device)
-            torch.sub(self._global_values[number], params, out=payload)
-        chunks = payload.view(group.plan.world_size, group.plan.chunk)
-        encoded = self._empty_rows(rows, payload.device)
-        for chunk, blocks, target in zip(chunks, rows, encoded):
-            sent = codec.encode(chunk, blocks)
+        new tensor), and the bytes this rank sent (one row per rank, its own included)."""
+        codec, rows, plan = self._codec, self._rows_of(group, number), group.plan
+        copies = self._global_values[number].view(plan.world_size, plan.chunk)
+        handed = params.view(plan.world_size, plan.chunk)
+        residuals = None if self._residuals is None else self._residuals[number].view(plan.world_size, plan.chunk)
+        # One destination's chunk at a time, in fp32: no model-size temporary.
+        scratch = None if residuals is not None else torch.empty(plan.chunk, dtype=torch.float32, device=params.device)
+        encoded = self._empty_rows(rows, params.device)
+        for destination, (blocks, target) in enumerate(zip(rows, encoded)):
+            payload = scratch if residuals is None else residuals[destination]
+            if residuals is None:
+                payload.copy_(copies[destination])
+            else:
+                payload.add_(copies[destination])
+            payload.sub_(handed[destination])
+            sent = codec.encode(payload, blocks)
             target[: sent.numel()].copy_(sent)
-            if self._residuals is not None:  # what was sent leaves the residual
-                chunk.sub_(codec.decode(sent, blocks))
+            if residuals is not None:  # what was sent leaves the residual
+                payload.sub_(codec.decode(sent, blocks))
         received = torch.empty_like(encoded)
         comm.all_to_all(received, encoded)
         own = rows[group.rank]

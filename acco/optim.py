@@ -490,8 +490,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._schedule.closed = True
         self._folder.close()
         # The worker holds what a dropped round may still read on the device (hand-over
-        # buffers, tensor hyper-parameters, optimizer state) until its stream is done.
-        keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._loop.shard_optimizers)
+        # buffers, tensor hyper-parameters, optimizer state, the lane body's own tensors:
+        # mode="local"'s copy of the global values and residuals) until its stream is done.
+        keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._loop.shard_optimizers,
+                self._loop.lane_work)  # fmt: skip
         if collective:
             self._started.finish(self.options.wait_seconds, keep)
         else:

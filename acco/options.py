@@ -179,6 +179,9 @@ class LocalOptions:
         if not isinstance(probe, torch.optim.Optimizer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} built a {type(probe).__name__}, not a torch.optim.Optimizer")
         check_optimizer_class(type(probe))
+        outer_bits = DEFAULT_OUTER_BITS if outer_bits is None else outer_bits
+        if outer_error_feedback is None:
+            outer_error_feedback = DEFAULT_OUTER_ERROR_FEEDBACK
         if isinstance(outer_bits, bool) or outer_bits not in OUTER_BITS:
             raise ValueError(
                 f"Invalid outer_bits: {outer_bits!r} (one of {', '.join(map(str, OUTER_BITS))}: bits per value an outer "

@@ -121,14 +121,15 @@ class BlockCodec:
 
     Args:
         bits: 16, 8 or 4.
-        block: values per scale (even).
+        block: values per scale; ``block * bits`` a multiple of 16, so every scale sits at an
+            even byte offset.
     """
 
     def __init__(self, bits: int, block: int = 64) -> None:
         if bits not in (16, 8, 4):
             raise ValueError(f"Invalid bits: {bits!r} (16, 8 or 4)")
-        if block < 2 or block % 2:
-            raise ValueError(f"Invalid block: {block!r} (an even number of values per scale)")
+        if block < 1 or block * bits % 16:
+            raise ValueError(f"Invalid block: {block!r} (values per scale whose {bits}-bit values fill whole bf16 slots)")
         self.bits = bits
         self.block = block
         self.levels = (1 << (bits - 1)) - 1  # 127 or 7; unused for 16 bits

@@ -224,3 +224,69 @@ def test_cuda_one_process_rounds_go_through_the_codec_on_the_device() -> None:
         results[device] = ({k: v.cpu() for k, v in params_of(model).items()}, [s.collective_bytes for s in opt.round_stats])
     assert results["cuda"][1] == results["cpu"][1]
     assert_params_close(results["cuda"][0], results["cpu"][0], rtol=0, atol=1e-2)
+
+
+def test_none_means_the_defaults() -> None:
+    """A configurator's typed None is the default, as for the other local arguments."""
+    opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_bits=None, outer_error_feedback=None)
+    assert (opt.options.local.outer_bits, opt.options.local.error_feedback) == (4, True)
+    opt.finish()
+
+
+def skip_rank() -> dict:
+    """Rank 1's parameters hold a NaN when the second round launches (nonfinite="skip")."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "sgd", sync_every=2, sync_delay=0, nonfinite="skip")
+    for t in range(6):
+        if t == 3 and rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = float("nan")
+        inner_step(opt, model, t, rank, False)
+    skipped = [s.skipped for s in opt.round_stats]
+    opt.finish()
+    return {"params": params_of(model), "skipped": skipped, "counted": opt.skipped_outer_rounds,
+            "bytes": [s.collective_bytes for s in opt.round_stats]}
+
+
+def test_a_skipped_round_sends_the_master_through_the_gather_leg(ranks) -> None:
+    """NaN in one replica's parameters with nonfinite="skip": the round changes nothing on
+    every rank, its result travels quantised like any gather leg (no raw values), and the
+    replicas end identical and finite."""
+    results = ranks(2).run(skip_rank)
+    assert_identical_across_ranks(results)
+    for result in results:
+        assert result["skipped"][:3] == [False, True, False] and result["counted"] == 1
+        assert 0 < result["bytes"][1] < result["bytes"][0]  # the gather leg only
+        assert all(torch.isfinite(v).all() for v in result["params"].values())
+
+
+def relayout_rank(directory: str, save: bool) -> dict:
+    """Save with the flat layout through acco.checkpoint, load with the tensor layout (every
+    rank is handed rank 0's part): each rank's residual after the load."""
+    import acco.checkpoint
+
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "sgd", layout="flat" if save else "tensor", sync_every=2, sync_delay=0)
+    if save:
+        for t in range(3):
+            inner_step(opt, model, t, rank, False)
+        acco.checkpoint.save(directory, opt, model)
+        residuals = opt.state_dict()["acco"]["local"]["residuals"][0]
+    else:
+        acco.checkpoint.load(directory, opt, model)
+        residuals = opt.state_dict()["acco"]["local"]["residuals"][0]
+    opt.finish()
+    return {"residual": torch.cat([r.reshape(-1) for r in residuals])}
+
+
+def test_a_rank_handed_another_ranks_part_starts_from_a_zero_residual(ranks, tmp_path) -> None:
+    """Resharded to another layout, acco.checkpoint hands every rank rank 0's part: rank 0
+    keeps its residual, rank 1 starts from zero instead of counting rank 0's a second time."""
+    directory = str(tmp_path / "ckpt")
+    saved = ranks(2).run(relayout_rank, directory, True)
+    loaded = ranks(2).run(relayout_rank, directory, False)
+    assert saved[0]["residual"].abs().sum() > 0 and saved[1]["residual"].abs().sum() > 0
+    assert torch.equal(loaded[0]["residual"], saved[0]["residual"])
+    assert not loaded[1]["residual"].any()
