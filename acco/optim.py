@@ -172,10 +172,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         overlap: ``local`` only: the inner steps taken while an outer round is in flight are
             dropped (``"discard"``, default: every replica takes the new global values) or
             kept on top of them (``"keep"``).
-        outer_bits: ``local`` only: bits per value an outer round sends on each leg, scales
-            included: 32 (fp32), 16 (bf16), 8 or 4 (default; integers, a bf16 scale per 64).
-        outer_error_feedback: ``local`` only, below 16 bits: what quantising a pseudo-gradient
-            dropped is sent with the next (default True; one model size in fp32 per rank).
+        outer_bits / outer_error_feedback: ``local`` only: bits per value an outer round sends (4, the
+            default; 8, 16, 32), and below 16 whether what it drops goes with the next (default True).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -233,8 +231,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
-            outer_bits=outer_bits, outer_error_feedback=outer_error_feedback,
-        )  # fmt: skip
+            outer_bits=outer_bits, outer_error_feedback=outer_error_feedback)  # fmt: skip
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)
@@ -489,9 +486,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         ``collective``: every rank is here with the lane drained (``finish()``)."""
         self._schedule.closed = True
         self._folder.close()
-        # The worker holds what a dropped round may still read on the device (hand-over
-        # buffers, tensor hyper-parameters, optimizer state, the lane body's own tensors:
-        # mode="local"'s copy of the global values and residuals) until its stream is done.
+        # The worker holds what a dropped round may still read on the device until its stream is done.
         keep = (self._schedule.take_in_flight(), self._schedule.failed, self._groups, self._loop.shard_optimizers,
                 self._loop.lane_work)  # fmt: skip
         if collective:
