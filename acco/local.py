@@ -355,9 +355,7 @@ class OuterRunner(LaneWork):
                 if self._legs is None:
                     return self._skip(round_)
                 stats.skipped = True  # the unchanged master shards through the gather leg, as a replay sends them
-                with record.phase(stats, "all-gather"):
-                    for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
-                        stats.collective_bytes += self._legs.gather(self._comm, group, number, snapshot)
+                stats.collective_bytes = self._quantized_gather(stats)
                 self._synchronise_buffers(round_)
                 record.lane_end(stats)
                 return stats
@@ -383,10 +381,7 @@ class OuterRunner(LaneWork):
             if legs is None:
                 self._gather_result(round_, round_.params)
             else:
-                with record.phase(stats, "all-gather"):
-                    for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
-                        sent += legs.gather(self._comm, group, number, snapshot)
-                stats.collective_bytes = sent
+                stats.collective_bytes = sent + self._quantized_gather(stats)
                 self._synchronise_buffers(round_)
         except Exception as error:
             raise self._failed(round_, error) from error
@@ -399,11 +394,17 @@ class OuterRunner(LaneWork):
         if self._legs is None:
             return super().replay(round_)
         self._recorder.lane_start(round_.stats)
-        with self._recorder.phase(round_.stats, "all-gather"):
-            for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
-                self._legs.gather(self._comm, group, number, snapshot)
+        self._quantized_gather(round_.stats)
         self._recorder.lane_end(round_.stats)
         return round_.stats
+
+    def _quantized_gather(self, stats: RoundStats) -> int:
+        """The gather leg below 32 bits from the master shards as they are; the bytes received."""
+        received = 0
+        with self._recorder.phase(stats, "all-gather"):
+            for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
+                received += self._legs.gather(self._comm, group, number, snapshot)
+        return received
 
     def _count_nonfinite(self, params: Sequence[Tensor]) -> int:
         """How many ranks hand over NaN or inf (0 on every rank when none does)."""

@@ -124,11 +124,10 @@ def test_overlapped_recurrence_differs_from_blocking() -> None:
         assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-3
 
 
-def resume_rank(steps: int, stop: int, delay: int) -> dict:
+def resume_rank(steps: int, stop: int, options: dict) -> dict:
     """Train ``steps`` inner steps straight, and again saving after ``stop`` steps (a round in
     flight) into a new model and optimizer that load the state and continue."""
     rank = this_rank()
-    options = {"sync_every": H, "sync_delay": delay}
     straight = make_model(seed=rank)
     opt = build(straight, "adamw", **options)
     for t in range(steps):
@@ -150,14 +149,14 @@ def resume_rank(steps: int, stop: int, delay: int) -> dict:
         inner_step(opt, resumed, t, rank, False)
     opt.finish()
     return {"straight": params_of(straight), "resumed": params_of(resumed), "in_flight": in_flight,
-            "outer_rounds": opt.outer_rounds}
+            "outer_rounds": opt.outer_rounds, "residuals": saved["acco"]["local"]["residuals"] is not None}
 
 
 @pytest.mark.parametrize("delay,stop", [(2, 4), (0, 5)])
 def test_resume_is_bit_identical(ranks, delay, stop) -> None:
     """A state saved with an outer round in flight (delay 2, after step 4 of rounds launched at 3)
     or between rounds (blocking) resumes bit for bit."""
-    results = ranks(2).run(resume_rank, 9, stop, delay)
+    results = ranks(2).run(resume_rank, 9, stop, {"sync_every": H, "sync_delay": delay})
     for result in results:
         assert result["in_flight"] == (delay > 0)
         assert_params_equal(result["resumed"], result["straight"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from acco import AccoOptimizer
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
 from tests.reference import OPTIMIZERS, loss_fn, make_model, params_of
-from tests.test_local import H, MAX_NORM, build, expected, inner_step, step_data
+from tests.test_local import H, MAX_NORM, build, expected, inner_step, resume_rank, step_data
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,33 +89,6 @@ def test_error_feedback_changes_the_recurrence() -> None:
     c = expected(2, 8, "adamw", outer_bits=8, **kwargs)[0]
     for one, other in ((a, b), (a, c)):
         assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-4
-
-
-def resume_rank(steps: int, stop: int, options: dict) -> dict:
-    """Train straight, and again saving after ``stop`` steps into a new model and optimizer."""
-    rank = this_rank()
-    straight = make_model(seed=rank)
-    opt = build(straight, "adamw", **options)
-    for t in range(steps):
-        inner_step(opt, straight, t, rank, False)
-    opt.finish()
-
-    first = make_model(seed=rank)
-    opt = build(first, "adamw", **options)
-    for t in range(stop):
-        inner_step(opt, first, t, rank, False)
-    in_flight = opt.in_flight is not None
-    saved, model_state = opt.state_dict(), {k: v.clone() for k, v in first.state_dict().items()}
-    opt.close()
-    resumed = make_model(seed=100 + rank)
-    resumed.load_state_dict(model_state)
-    opt = build(resumed, "adamw", **options)
-    opt.load_state_dict(saved)
-    for t in range(stop, steps):
-        inner_step(opt, resumed, t, rank, False)
-    opt.finish()
-    return {"straight": params_of(straight), "resumed": params_of(resumed), "in_flight": in_flight,
-            "residuals": saved["acco"]["local"]["residuals"] is not None}
 
 
 @pytest.mark.parametrize("delay,stop", [(2, 4), (0, 5)])
