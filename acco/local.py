@@ -84,11 +84,17 @@ class LocalLoop(Loop):
         self.clock = LocalClock(local)
         # Built after start-up: every rank holds rank 0's parameters, the first global values.
         self.global_values = [group.flat_params() for group in parts.groups]
+        # overlap="estimate": every rank's copy of the outer step's common part (acco.outer_step),
+        # written by the comm lane's gather leg, read at a launch once the last round has landed.
+        self.common_terms = None
+        if self.clock.estimates:
+            self.common_terms = [values.mul(local.estimate.keep) for values in self.global_values]
         self.residuals = None
         if local.error_feedback:
             self.residuals = [torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in parts.groups]
         legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values, self.residuals)
-        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args())
+        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args(),
+                                     common_terms=self.common_terms)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
 
     @staticmethod
@@ -154,7 +160,14 @@ class LocalLoop(Loop):
         if clock.keeps_progress:
             if clock.handed_over is None:
                 clock.handed_over = [torch.empty_like(p) for p in params]
-            torch._foreach_copy_(clock.handed_over, params)
+            if clock.estimates:  # start from the estimate (the last round has landed: its common part is here)
+                with record_function("acco.outer_estimate"):
+                    for group, start, common, values, handed in zip(self._groups, clock.handed_over, self.common_terms,
+                                                                    self.global_values, params):  # fmt: skip
+                        clock.options.estimate.start(start, common, values, handed)
+                        group.load_params(start)
+            else:
+                torch._foreach_copy_(clock.handed_over, params)
         round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
                             buffer_snapshot=self._buffer_snapshot(), params=params)  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
@@ -242,6 +255,8 @@ class LocalLoop(Loop):
             "replicas": self.lane_work.replicas,
             "place": self.lane_work.place,
             "residuals": None if self.residuals is None else [per_param(g.plan, r) for g, r in zip(self._groups, self.residuals)],
+            # overlap="estimate": identical on every rank; a round in flight has already updated it
+            "common_terms": None if self.common_terms is None else [per_param(g.plan, c) for g, c in zip(self._groups, self.common_terms)],
         }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
@@ -262,6 +277,20 @@ class LocalLoop(Loop):
         self._schedule.put_back_round_weights(WeightSum(float(saved["round_weight"]), None, int(saved["round_micro_batches"])))
         if self.residuals is not None:
             self._load_residuals(saved)
+        if self.common_terms is not None:
+            self._load_common_terms(saved)
+
+    def _load_common_terms(self, saved: dict[str, Any]) -> None:
+        """The copies of the outer step's common part; from a state saved without the estimate
+        rule, the global values (the outer momentum's part of the first estimate is left out,
+        the commit is exact)."""
+        estimate = self.clock.options.estimate
+        with torch.no_grad():
+            for number, (group, target) in enumerate(zip(self._groups, self.common_terms)):
+                if saved.get("common_terms") is None:
+                    torch.mul(self.global_values[number], estimate.keep, out=target)
+                else:
+                    target.copy_(full(group.plan, saved["common_terms"][number], group.param_dtype))
 
     def _load_residuals(self, saved: dict[str, Any]) -> None:
         """This rank's residuals; zero when the state holds none (saved without error
@@ -279,14 +308,16 @@ class LocalLoop(Loop):
 
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Adds ``handed_over`` (the parameters the round in flight was handed, with
-        ``overlap="keep"``), ``global_values`` and ``outer_residual`` (``outer_bits`` below
-        16 with error feedback); ``master`` is the snapshot's shard."""
+        ``overlap="keep"``; the replica's start with ``"estimate"``), ``global_values``,
+        ``outer_residual`` (``outer_bits`` below 16 with error feedback) and ``common_term``
+        (``"estimate"``); ``master`` is the snapshot's shard."""
         sizes = super().buffer_bytes()
         handed = self.clock.handed_over
         for number, entry in enumerate(sizes):
             entry["handed_over"] = 0 if handed is None else handed[number].nbytes
             entry["global_values"] = self.global_values[number].nbytes
             entry["outer_residual"] = 0 if self.residuals is None else self.residuals[number].nbytes
+            entry["common_term"] = 0 if self.common_terms is None else self.common_terms[number].nbytes
         return sizes
 
 
@@ -315,6 +346,10 @@ class OuterRunner(LaneWork):
         legs: the two legs below 32 bits (``outer_bits``), or None: parameters reduce-scattered
             and global values all-gathered at full precision.
         *args, **kwargs: the rest of :class:`~acco.runner.LaneWork`'s.
+        common_terms: with ``overlap="estimate"``, each group's copy of the outer step's common
+            part (whole, on every rank), which every round's gather leg brings up to date after
+            the global values (as they are, quantised against the copy below 32 bits); None:
+            no estimate.
     """
 
     def __init__(
@@ -324,12 +359,14 @@ class OuterRunner(LaneWork):
         snapshot: Sequence[Tensor],
         legs: QuantizedLegs | None,
         *args: Any,
+        common_terms: Sequence[Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(groups, *args, **kwargs)
         self._outer = list(outer_optimizers)
         self._snapshot = list(snapshot)
         self._legs = legs
+        self._common_terms = common_terms
         # Each replica group's ranks hand over the same parameters' pieces once: a replica
         # counts once in the mean.
         self.replicas = self._mesh_comm.world_size // self._replica_size
@@ -352,10 +389,11 @@ class OuterRunner(LaneWork):
             if nonfinite:
                 if self._options.nonfinite is NonFinite.RAISE:
                     raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
+                common_bytes = self._gather_common_terms(stats)
                 if self._legs is None:
                     return self._skip(round_)
                 stats.skipped = True  # the unchanged master shards through the gather leg, as a replay sends them
-                stats.collective_bytes = self._quantized_gather(stats)
+                stats.collective_bytes = self._quantized_gather(stats) + common_bytes
                 self._synchronise_buffers(round_)
                 record.lane_end(stats)
                 return stats
@@ -378,15 +416,39 @@ class OuterRunner(LaneWork):
                         step_shard(group, outer, {}, estimate=False)
                     else:
                         group.gather_input.copy_(snapshot)
+            common_bytes = self._gather_common_terms(stats)
             if legs is None:
                 self._gather_result(round_, round_.params)
+                stats.collective_bytes += common_bytes
             else:
-                stats.collective_bytes = sent + self._quantized_gather(stats)
+                stats.collective_bytes = sent + self._quantized_gather(stats) + common_bytes
                 self._synchronise_buffers(round_)
         except Exception as error:
             raise self._failed(round_, error) from error
         record.lane_end(stats)
         return stats
+
+    def _gather_common_terms(self, stats: RoundStats) -> int:
+        """``overlap="estimate"``: each owner's common part of the outer step (from its master
+        shard and momentum, as they are now) into every rank's copy; the bytes received (0
+        without the estimate). A replayed round skips it: a checkpoint holds the copies as this
+        leg left them."""
+        if self._common_terms is None:
+            return 0
+        estimate, received = self._options.local.estimate, 0
+        with self._recorder.phase(stats, "all-gather"):
+            for number, (group, outer, copy) in enumerate(zip(self._groups, self._outer, self._common_terms)):
+                master = group.master
+                common = torch.empty(master.shape, dtype=torch.float32, device=master.device)
+                momenta = [None if outer is None else outer.state.get(view, {}).get("momentum_buffer")
+                           for view in group.master_views]  # fmt: skip
+                estimate.common(common, master.float(), momenta, group.shard_views(common))
+                if self._legs is not None:
+                    received += self._legs.gather(self._comm, group, number, common, copy, copy)
+                else:
+                    self._comm.all_gather(copy, common.to(copy.dtype))
+                    received += copy.nbytes
+        return received
 
     def replay(self, round_: LaneRound) -> RoundStats:
         """A round re-created from a checkpoint: the gather leg again (below 32 bits from the
@@ -403,7 +465,7 @@ class OuterRunner(LaneWork):
         received = 0
         with self._recorder.phase(stats, "all-gather"):
             for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
-                received += self._legs.gather(self._comm, group, number, snapshot)
+                received += self._legs.gather(self._comm, group, number, snapshot, self._legs.copies(number), group.gathered)
         return received
 
     def _count_nonfinite(self, params: Sequence[Tensor]) -> int:
@@ -474,11 +536,16 @@ class QuantizedLegs:
             total.add_(codec.decode(row, own))
         return total, encoded.nbytes
 
-    def gather(self, comm: Collectives, group: ShardedGroup, number: int, master: Tensor) -> int:
-        """Every rank's ``gathered`` = its copy of the global values + every owner's decoded
-        update of it; returns the bytes received."""
+    def copies(self, number: int) -> Tensor:
+        """The copy of the global values this rank holds for param group ``number``."""
+        return self._global_values[number]
+
+    def gather(self, comm: Collectives, group: ShardedGroup, number: int, master: Tensor, values: Tensor,
+               out: Tensor) -> int:
+        """Every rank's ``out`` = ``values`` (its copy of what the owners hold in ``master``)
+        + every owner's decoded update of it (``out`` may be ``values``: updated in place);
+        returns the bytes received."""
         codec, plan, rows = self._codec, group.plan, self._rows_of(group, number)
-        values = self._global_values[number]
         start, stop = plan.rank_range(group.rank)
         sent = codec.encode(master.float().sub(values[start:stop]), rows[group.rank])
         received = self._empty_rows(rows, sent.device)
@@ -486,7 +553,7 @@ class QuantizedLegs:
         mine[: sent.numel()].copy_(sent)
         comm.all_gather(received.view(-1), mine)
         copies = values.view(plan.world_size, -1)
-        for target, row, blocks, copy in zip(group.gathered.view(plan.world_size, -1), received, rows, copies):
+        for target, row, blocks, copy in zip(out.view(plan.world_size, -1), received, rows, copies):
             target.copy_(codec.decode(row, blocks).add_(copy))
         return received.nbytes
 
@@ -632,7 +699,13 @@ class LocalClock:
     @property
     def keeps_progress(self) -> bool:
         """Whether a landing adds the progress made since the launch to the new global values."""
-        return self.options.overlap is Overlap.KEEP and self.options.overlaps
+        return self.options.overlap in (Overlap.KEEP, Overlap.ESTIMATE) and self.options.overlaps
+
+    @property
+    def estimates(self) -> bool:
+        """Whether a launch moves the replica to its estimate of the outer step (``handed_over``
+        then holds that start, not the parameters handed)."""
+        return self.options.overlap is Overlap.ESTIMATE and self.options.overlaps
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (``handed_over`` is the optimizer's to save, per parameter)."""

@@ -21,9 +21,10 @@ from torch import Tensor, nn
 
 from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
+from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -61,6 +62,9 @@ class Overlap(str, enum.Enum):
 
     DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default; acco's)
     KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
+    # Kept, and taken from an estimate: at the launch each replica moves to the outer step its own
+    # pseudo-gradient would give (acco.outer_step); the landing corrects that start to the real one.
+    ESTIMATE = "estimate"
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -89,6 +93,12 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # mode="local": DiLoCo's outer optimizer (Charles et al., arXiv 2503.09799).
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
+
+
+def default_outer(sync_every: int) -> functools.partial:
+    """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
+    steps per round."""
+    return DEFAULT_OUTER
 # When an outer round lands: "auto" at the first inner step at which the comm lane has finished
 # it (at the latest sync_every steps after its launch); "half" sync_every // 2 inner steps after
 # its launch, with "discard" the pair that measured best (docs/loops.md, "Slow links: local
@@ -111,6 +121,8 @@ class LocalOptions:
     Attributes:
         sync_delay: inner steps from an outer round's launch to its landing (``"half"``
             resolved), or ``"auto"``.
+        estimate: with ``overlap="estimate"``, the outer step split into its common part and
+            the part linear in the pseudo-gradient (None otherwise).
     """
 
     sync_every: int
@@ -120,6 +132,7 @@ class LocalOptions:
     outer_class: type
     outer_bits: int = DEFAULT_OUTER_BITS
     outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK
+    estimate: LinearOuterStep | None = None
 
     @property
     def error_feedback(self) -> bool:
@@ -164,11 +177,6 @@ class LocalOptions:
                 "inner steps an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
-        if chosen is Overlap.DISCARD and delay == every:
-            raise ValueError(
-                f"Invalid sync_delay: {delay} with overlap='discard': a round landing sync_every={every} steps after "
-                "its launch would throw away every inner step (use a smaller sync_delay, or overlap='keep')"
-            )
         outer = DEFAULT_OUTER if outer_optimizer is None else outer_optimizer
         if not callable(outer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
@@ -179,6 +187,20 @@ class LocalOptions:
         if not isinstance(probe, torch.optim.Optimizer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} built a {type(probe).__name__}, not a torch.optim.Optimizer")
         check_optimizer_class(type(probe))
+        estimate = None
+        if chosen is Overlap.ESTIMATE:
+            try:
+                estimate = LinearOuterStep.of(probe)
+            except ValueError:
+                if overlap is not None:  # asked for: refused, naming why
+                    raise
+                chosen = Overlap.DISCARD  # the default rule has no split for this outer optimizer
+        if chosen is Overlap.DISCARD and delay == every:
+            raise ValueError(
+                f"Invalid sync_delay: {delay} with overlap='discard': a round landing sync_every={every} steps after "
+                "its launch would throw away every inner step (use a smaller sync_delay, or overlap='keep' / "
+                "'estimate')"
+            )
         outer_bits = DEFAULT_OUTER_BITS if outer_bits is None else outer_bits
         if outer_error_feedback is None:
             outer_error_feedback = DEFAULT_OUTER_ERROR_FEEDBACK
@@ -189,7 +211,7 @@ class LocalOptions:
             )
         if not isinstance(outer_error_feedback, bool):
             raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
-        return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback)
+        return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate)
 
 
 @dataclass(frozen=True)

@@ -104,17 +104,20 @@ METHODS: dict[str, MethodSpec] = {
 
 @dataclass(frozen=True)
 class LocalSpec:
-    """A local-steps method's name, parsed: ``local-hH[-dD|-dauto][-discard|-keep][-bB][-noef][-olrX]``
-    (acco ``mode="local"``, library defaults for what is not named; ``-bB``: ``outer_bits=B``,
-    ``-noef``: ``outer_error_feedback=False``), ``diloco-hH[-olrX]`` (torchft's
+    """A local-steps method's name, parsed:
+    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX]`` (acco
+    ``mode="local"``, library defaults for what is not named; ``-bB``: ``outer_bits=B``,
+    ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
+    and momentum, the other from the library's default), ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
     kind: str  # local, diloco or sdiloco
     sync_every: int
     sync_delay: int | str | None = None  # None: the library's default (acco), 0 (torchft); "auto"
-    overlap: str | None = None  # acco: discard (default) or keep
-    outer_lr: float = 0.7
+    overlap: str | None = None  # acco: discard, keep or estimate (None: the library's default)
+    outer_lr: float | None = None  # None: the library's default (acco), DiLoCo's 0.7 (torchft)
+    outer_momentum: float | None = None
     fragments: int = 2
     outer_bits: int | None = None  # acco: None is the library's default
     error_feedback: bool = True
@@ -128,7 +131,7 @@ class LocalSpec:
         try:
             spec = cls(kind, int(parts[0]))
             for part in parts[1:]:
-                if part in ("discard", "keep") and kind == "local":
+                if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
                 elif part == "dauto" and kind == "local":
                     spec = dataclasses.replace(spec, sync_delay="auto")
@@ -138,6 +141,8 @@ class LocalSpec:
                     spec = dataclasses.replace(spec, error_feedback=False)
                 elif part.startswith("olr"):
                     spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
+                elif part.startswith("mom") and kind == "local":
+                    spec = dataclasses.replace(spec, outer_momentum=float(part[3:]))
                 elif part.startswith("d") and kind != "diloco":
                     spec = dataclasses.replace(spec, sync_delay=int(part[1:]))
                 elif part.startswith("f") and kind == "sdiloco":
@@ -149,7 +154,8 @@ class LocalSpec:
         return spec if spec.sync_every >= 1 else None
 
     def label(self) -> str:
-        olr = "" if self.outer_lr == 0.7 else f", outer lr {self.outer_lr:g}"
+        olr = "" if self.outer_lr is None else f", outer lr {self.outer_lr:g}"
+        olr += "" if self.outer_momentum is None else f", outer momentum {self.outer_momentum:g}"
         if self.kind == "diloco":
             return f"DiLoCo (torchft), H = {self.sync_every}{olr}"
         if self.kind == "sdiloco":
@@ -531,12 +537,13 @@ class TorchftDiLoCoMethod(Method):
             quorum_timeout=timeout, connect_timeout=timeout)
         if local.kind == "sdiloco":  # blocks cut into P consecutive fragments; embeddings with the first
             fragments = fragments_of(model, local.fragments)
-            self.outer = [torch.optim.SGD(f.parameters(), lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
-                          for f in fragments]
+            self.outer = [torch.optim.SGD(f.parameters(), lr=local.outer_lr or OUTER_LR, momentum=OUTER_MOMENTUM,
+                                          nesterov=True) for f in fragments]
             self.diloco = DiLoCo(self.manager, fragments, self.inner, self.outer, sync_every=self.sync_every,
                                  fragment_sync_delay=local.sync_delay or 0)
         else:
-            self.outer = torch.optim.SGD(model.parameters(), lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
+            self.outer = torch.optim.SGD(model.parameters(), lr=local.outer_lr or OUTER_LR, momentum=OUTER_MOMENTUM,
+                                         nesterov=True)
             self.diloco = DiLoCo(self.manager, [model], self.inner, self.outer, sync_every=self.sync_every)
         self.diloco.__enter__()  # registers its hooks on the inner optimizer
         self.synced = [p.detach().clone() for p in self._params]
@@ -598,8 +605,12 @@ class AccoLocalMethod(Method):
         local = LocalSpec.parse(name)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
         self.sync_every = local.sync_every
-        options = {"sync_every": local.sync_every, "outer_optimizer": functools.partial(
-            torch.optim.SGD, lr=local.outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)}
+        options: dict[str, Any] = {"sync_every": local.sync_every}
+        if local.outer_lr is not None or local.outer_momentum is not None:
+            default = acco_module.default_outer(local.sync_every).keywords
+            options["outer_optimizer"] = functools.partial(
+                torch.optim.SGD, lr=default["lr"] if local.outer_lr is None else local.outer_lr,
+                momentum=default["momentum"] if local.outer_momentum is None else local.outer_momentum, nesterov=True)
         if local.sync_delay is not None:
             options["sync_delay"] = local.sync_delay
         if local.overlap is not None:

@@ -254,6 +254,13 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     At the end a round in flight lands, then a last one (landing without "keep") over any
     inner step since, so every replica ends at x.
 
+    ``overlap="estimate"`` (sync_delay > 0; docs/design.md, "The estimate rule") lands as
+    "keep" does, and at the launch each replica moves to its start
+    s_m = y - a * (c - theta_m), y = x * (1 - lr * a * wd) - lr * b * momentum (x and the outer
+    SGD's momentum before this round's step; a = 1 + mu, b = mu^2 with Nesterov, else 1 and
+    mu), what the outer step would give if every replica's pseudo-gradient were its own; the
+    landing then adds x_new - s_m. Below 32 bits y travels as x does, quantised against a copy.
+
     Below 32 bits (docs/design.md, "Lighter outer rounds") the replicas land at c, a copy of x
     every rank holds, and the flat layout's rows (one per replica, ceil(P / R) values, zero
     padded) are quantised by ``quantised``: at the launch p_m = c - theta_m + e_m,
@@ -274,16 +281,48 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     chunk = -(-sum(p.numel() for p in init.values()) // rows)
     copy_of_x = flat(list(init.values()), rows * chunk)  # c
     residuals = [torch.zeros(rows * chunk) for _ in replicas]
+    estimates = overlap == "estimate" and sync_delay > 0
+    hp = outer_opt.param_groups[0]
+    nesterov = hp.get("nesterov", False) and hp.get("momentum", 0) != 0
+    mu = hp.get("momentum", 0.0)
+    a, b = (1 + mu, mu * mu) if nesterov else (1.0, mu)
 
-    def launch(n: int) -> tuple[int, Params, list[Params]]:
-        nonlocal copy_of_x
+    def common_part() -> Tensor:
+        """y, flat and padded like c."""
+        parts = []
+        for p in x:
+            momentum = outer_opt.state[p].get("momentum_buffer") if outer_opt.state.get(p) else None
+            value = p.detach() * (1 - hp["lr"] * a * hp.get("weight_decay", 0.0))
+            parts.append(value if momentum is None else value - hp["lr"] * b * momentum)
+        return flat(parts, rows * chunk)
+
+    copy_of_y = common_part()
+
+    def starts(handed: list[Params]) -> list[Params]:
+        """Each replica's estimate of the outer step, from its own pseudo-gradient."""
+        out = []
+        for own in handed:
+            c = unflat(copy_of_x, shapes)
+            y = unflat(copy_of_y, shapes)
+            out.append({k: y[i] - hp["lr"] * a * (c[i] - own[k]) for i, k in enumerate(names)})
+        return out
+
+    def launch(n: int, start: bool = True) -> tuple[int, Params, list[Params]]:
+        nonlocal copy_of_x, copy_of_y
         handed = [ref.params() for ref in replicas]
+        flight_from = handed
+        if estimates and start:  # from the last landed round's x and y
+            flight_from = starts(handed)
+            for ref, own in zip(replicas, flight_from):
+                ref.load(own)
         if outer_bits == 32:
             with torch.no_grad():
                 for i, name in enumerate(names):
                     x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
             outer_opt.step()
-            return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, handed
+            copy_of_x = flat([p.detach() for p in x], rows * chunk)
+            copy_of_y = common_part()
+            return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, flight_from
         total = torch.zeros(rows * chunk)
         for m, own in enumerate(handed):
             payload = residuals[m] + copy_of_x - flat(list(own.values()), rows * chunk)  # the library's order
@@ -296,7 +335,8 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         outer_opt.step()
         update = flat([p.detach() for p in x], rows * chunk) - copy_of_x
         copy_of_x = copy_of_x + quantised(update, outer_bits, sizes, chunk)
-        return n, dict(zip(names, unflat(copy_of_x, shapes))), handed
+        copy_of_y = copy_of_y + quantised(common_part() - copy_of_y, outer_bits, sizes, chunk)
+        return n, dict(zip(names, unflat(copy_of_x, shapes))), flight_from
 
     def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:
         n0, new_x, handed = flight
@@ -305,7 +345,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
             ref.load({k: new_x[k] + (now[k] - own[k]) if keep else new_x[k] for k in new_x})
         return keep and n > n0
 
-    keeps = overlap == "keep" and sync_delay > 0
+    keeps = overlap in ("keep", "estimate") and sync_delay > 0
     n = 0
     for step_data in steps:
         for ref, data in zip(replicas, step_data):
@@ -322,5 +362,5 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     if in_flight is not None:
         unsynced = land(in_flight, keeps)
     if unsynced:
-        land(launch(n), False)
+        land(launch(n, start=False), False)
     return [ref.params() for ref in replicas]

@@ -97,11 +97,13 @@ def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     assert_params_close(results[0]["params"], reference[0])
 
 
-@pytest.mark.parametrize("overlap,delay", [("keep", 1), ("keep", 3), ("discard", 2)])
+@pytest.mark.parametrize("overlap,delay", [("keep", 1), ("keep", 3), ("discard", 2), ("estimate", 3), ("estimate", 1)])
 def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
     """With sync_delay > 0 the round lands `delay` inner steps after its launch: "keep" adds what
-    each replica learnt meanwhile to the new global values, "discard" drops it; both equal the
-    recurrence of docs/design.md on every rank, and every replica ends identical."""
+    each replica learnt meanwhile to the new global values, "discard" drops it, "estimate" keeps
+    it and started it from each replica's estimate of the outer step (a whole round in flight
+    with delay 3); all equal the recurrence of docs/design.md on every rank, and every replica
+    ends identical."""
     steps = 10
     results = ranks(2).run(run_rank, steps, "adamw", "flat", False, {"sync_every": H, "sync_delay": delay, "overlap": overlap, **FP32})
     reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
@@ -115,12 +117,13 @@ def test_overlapped_rule_equals_its_recurrence(ranks, overlap, delay) -> None:
 
 
 def test_overlapped_recurrence_differs_from_blocking() -> None:
-    """The references themselves: the three rules give three different models (the tests above
+    """The references themselves: the four rules give four different models (the tests above
     would pass vacuously otherwise)."""
     a = expected(2, 10, "adamw", sync_every=H, sync_delay=0)[0]
     b = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="keep")[0]
     c = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="discard")[0]
-    for one, other in ((a, b), (a, c), (b, c)):
+    d = expected(2, 10, "adamw", sync_every=H, sync_delay=2, overlap="estimate")[0]
+    for one, other in ((a, b), (a, c), (b, c), (a, d), (b, d)):
         assert (one["0.weight"] - other["0.weight"]).abs().max() > 1e-3
 
 

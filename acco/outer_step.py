@@ -1,0 +1,83 @@
+"""The outer step split for ``overlap="estimate"``: a part every replica shares and a part
+linear in the pseudo-gradient (docs/design.md, "The estimate rule").
+
+torch's SGD with dampening 0 steps ``x`` with gradient ``g`` and momentum buffer ``m`` to::
+
+    x' = x - lr * (a * (g + wd * x) + b * m)      a = 1 + momentum, b = momentum**2 (Nesterov)
+                                                   a = 1,            b = momentum    (heavy ball)
+       = common(x, m) - coefficient * g           common = x * (1 - lr * a * wd) - lr * b * m
+
+(on its first step ``m`` is absent, which is ``m = 0``). Every replica starts the next round
+from ``common - coefficient * Delta_r``, its own pseudo-gradient in place of the mean: their
+mean is the outer step on the mean. An optimizer whose step is not linear in its gradient
+(Adam, or SGD with dampening, whose first step differs from the others) has no such split:
+:meth:`LinearOuterStep.of` refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["LinearOuterStep"]
+
+
+@dataclass(frozen=True)
+class LinearOuterStep:
+    """An SGD outer step as ``common(x, m) - coefficient * g``.
+
+    Attributes:
+        coefficient: what multiplies the gradient (``lr * a``).
+        keep: what multiplies ``x`` in the common part (``1 - lr * a * weight_decay``).
+        momentum_coefficient: what multiplies the momentum buffer (``lr * b``).
+
+    The hyper-parameters are the outer optimizer's at construction: a schedule that changes
+    its lr later changes the commit, not the estimate (docs/design.md, "The estimate rule").
+    """
+
+    coefficient: float
+    keep: float
+    momentum_coefficient: float
+
+    @classmethod
+    def of(cls, outer: torch.optim.Optimizer) -> LinearOuterStep:
+        """The split of ``outer``'s step, from its first param group.
+
+        Raises:
+            ValueError: ``outer`` is not a torch.optim.SGD with dampening 0 and maximize off.
+        """
+        if not isinstance(outer, torch.optim.SGD):
+            raise ValueError(
+                f"overlap='estimate' needs an outer optimizer whose step is linear in its gradient (torch.optim.SGD, "
+                f"with or without (Nesterov) momentum), got {type(outer).__name__}: use overlap='discard' or 'keep'"
+            )
+        group = outer.param_groups[0]
+        if group.get("dampening", 0) or group.get("maximize", False):
+            raise ValueError(
+                f"overlap='estimate' needs SGD with dampening=0 and maximize=False as outer optimizer, got "
+                f"dampening={group.get('dampening')}, maximize={group.get('maximize')} (its first step would differ "
+                "from the others)"
+            )
+        lr, momentum, decay = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+        nesterov = bool(group["nesterov"]) and momentum != 0
+        a = 1.0 + momentum if nesterov else 1.0
+        b = momentum * momentum if nesterov else momentum
+        return cls(coefficient=lr * a, keep=1.0 - lr * a * decay, momentum_coefficient=lr * b)
+
+    def common(self, out: Tensor, x: Tensor, momenta: Sequence[Tensor | None], out_views: Sequence[Tensor]) -> Tensor:
+        """``out = keep * x - momentum_coefficient * m``: ``x`` a flat shard, ``momenta`` the
+        momentum buffers of the pieces ``out_views`` (views of ``out``) hold (None: none yet)."""
+        torch.mul(x, self.keep, out=out)
+        for view, momentum in zip(out_views, momenta):
+            if momentum is not None:
+                view.sub_(momentum.to(view.dtype), alpha=self.momentum_coefficient)
+        return out
+
+    def start(self, out: Tensor, common: Tensor, global_values: Tensor, params: Tensor) -> Tensor:
+        """A replica's start point, ``common - coefficient * (global_values - params)``, into
+        ``out`` (flat, like the round's buffer); ``params`` is read, not written."""
+        torch.sub(global_values, params, out=out)
+        return out.mul_(-self.coefficient).add_(common)
