@@ -36,7 +36,6 @@ from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
     DEFAULT_OUTER_BITS,
     DEFAULT_OUTER_ERROR_FEEDBACK,
-    DEFAULT_OVERLAP,
     DEFAULT_SYNC_DELAY,
     DEFAULT_SYNC_EVERY,
     DEFAULT_TIMEOUT,
@@ -169,9 +168,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default ``partial(SGD, lr=0.7, momentum=0.9, nesterov=True)``), stepped on this
             rank's 1/R shard of the global values with the mean pseudo-gradient.
-        overlap: ``local`` only: the inner steps taken while an outer round is in flight are
-            dropped (``"discard"``, default: every replica takes the new global values) or
-            kept on top of them (``"keep"``).
+        overlap: ``local`` only: what the inner steps taken while an outer round is in flight
+            start from and become: ``"estimate"`` (the default where the outer optimizer's step
+            is linear in its gradient, i.e. SGD: each replica starts from the outer step its own
+            pseudo-gradient would give, and the landing corrects that start to the commit,
+            keeping the steps), ``"keep"`` (started from the replica's own parameters, added on
+            top of the new global values) or ``"discard"`` (dropped: every replica takes the new
+            global values; the default with any other outer optimizer).
         outer_bits / outer_error_feedback: ``local`` only: bits per value an outer round sends (4, the
             default; 8, 16, 32), and below 16 whether what it drops goes with the next (default True).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
@@ -220,7 +223,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         sync_every: int = DEFAULT_SYNC_EVERY,
         sync_delay: int | str = DEFAULT_SYNC_DELAY,
         outer_optimizer: Any = None,
-        overlap: str = DEFAULT_OVERLAP,
+        overlap: str | None = None,
         outer_bits: int = DEFAULT_OUTER_BITS,
         outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK,
         **defaults: Any,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import os
 import signal
@@ -78,6 +79,11 @@ METHODS: dict[str, Spec] = {
                                 local={"sync_every": 16, "sync_delay": 0}),
     "fsdp-local-b32": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 32 bits", "fsdp", "local",
                            local={"sync_every": 16, "outer_bits": 32}),
+    # The default before the estimate rule: half a round in flight, those steps dropped, DiLoCo's outer SGD.
+    "fsdp-local-discard": Spec("FSDP2 inside + acco `local` across, H = 16, delay 8, discard, outer (0.7, 0.9)",
+                               "fsdp", "local", local={"sync_every": 16, "sync_delay": 8, "overlap": "discard",
+                                                       "outer_optimizer": functools.partial(
+                                                           torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.
     "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
                                     local={"sync_every": 10**9, "sync_delay": 0}),
@@ -89,10 +95,11 @@ MESHES = ((1, 4), (2, 2), (4, 1))  # (R, S) of the memory table, on 4 ranks
 MEMORY_MODEL = common.ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64, batch_size=1)
 KINDS = ("parameters", "gradients", "accumulator", "hand-over", "all-gather buffer", "master shard",
          "master gradient", "optimizer state", "estimate copy", "handed over", "global values", "outer residual",
-         "outer state")
+         "outer common term", "outer state")
 ACCO_BUFFERS = {"grad_accumulator": "accumulator", "grad_handover": "hand-over", "gathered": "all-gather buffer",
                 "master": "master shard", "master_grad": "master gradient", "estimate_copy": "estimate copy",
-                "handed_over": "handed over", "global_values": "global values", "outer_residual": "outer residual"}
+                "handed_over": "handed over", "global_values": "global values", "outer_residual": "outer residual",
+                "common_term": "outer common term"}
 MiB = 2**20
 
 
