@@ -161,10 +161,13 @@ class LocalLoop(Loop):
             if clock.handed_over is None:
                 clock.handed_over = [torch.empty_like(p) for p in params]
             if clock.estimates:  # start from the estimate (the last round has landed: its common part is here)
+                estimate = clock.options.estimate
+                # What the steps from the last start undid of its offset leaves the pseudo-gradient.
+                weight = estimate.recovery * clock.offset_steps / clock.options.sync_every
                 with record_function("acco.outer_estimate"):
                     for group, start, common, values, handed in zip(self._groups, clock.handed_over, self.common_terms,
                                                                     self.global_values, params):  # fmt: skip
-                        clock.options.estimate.start(start, common, values, handed)
+                        estimate.start(start, common, values, handed, weight, group.plan.world_size)
                         group.load_params(start)
             else:
                 torch._foreach_copy_(clock.handed_over, params)
@@ -180,6 +183,8 @@ class LocalLoop(Loop):
         stats = self._schedule.wait(round_)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
+        # "keep"'s landing leaves the start's offset from the new global values in handed_over.
+        clock.offset_steps = clock.inner_steps - clock.launched_at if keep else 0
         with record_function("acco.load_params"):
             for number, group in enumerate(self._groups):
                 self.global_values[number].copy_(group.gathered)
@@ -671,6 +676,9 @@ class LocalClock:
         unsynced: the live parameters hold progress that no outer round has carried yet.
         outer_rounds / skipped_outer_rounds: landed outer rounds, and those that changed
             nothing (NaN/inf in some replica's parameters with ``nonfinite="skip"``).
+        offset_steps: inner steps the replica took from the last landed round's start before
+            that landing corrected it (0: not landed with its progress kept); ``handed_over``
+            then holds that start's offset from the new global values.
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay: what the landing subtracts), or None.
     """
@@ -682,6 +690,7 @@ class LocalClock:
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
+    offset_steps: int = 0
 
     def lands_after(self, steps: int, done: bool) -> bool:
         """Whether the round in flight lands once ``steps`` inner steps are done (``done``:
@@ -715,9 +724,11 @@ class LocalClock:
             "unsynced": self.unsynced,
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
+            "offset_steps": self.offset_steps,
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
+        self.offset_steps = int(saved.get("offset_steps", 0))

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LinearOuterStep"]
+__all__ = ["RECOVERY_FEEDBACK", "LinearOuterStep"]
+
+# The most of a start offset the inner steps leave alone that the next estimate may feed back
+# (coefficient x recovery): measured at equal inner steps with H = 8 (docs/loops.md), full
+# recovery was best at coefficient 0.65 and diverged at 1.05, where half of it was best.
+RECOVERY_FEEDBACK = 0.7
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,15 @@ class LinearOuterStep:
     coefficient: float
     keep: float
     momentum_coefficient: float
+
+    @property
+    def recovery(self) -> float:
+        """How much of a replica's own start offset (its last start minus the commit) its next
+        estimate takes out of its pseudo-gradient, for a whole round of steps from that start:
+        all of it (the inner steps undo an offset along the directions that matter), but never
+        so much that the estimate feeds more than ``RECOVERY_FEEDBACK`` of an offset the steps
+        did not undo back into the next start (docs/design.md, "The estimate rule")."""
+        return min(1.0, RECOVERY_FEEDBACK / self.coefficient) if self.coefficient > 0 else 1.0
 
     @classmethod
     def of(cls, outer: torch.optim.Optimizer) -> LinearOuterStep:
@@ -76,8 +90,17 @@ class LinearOuterStep:
                 view.sub_(momentum.to(view.dtype), alpha=self.momentum_coefficient)
         return out
 
-    def start(self, out: Tensor, common: Tensor, global_values: Tensor, params: Tensor) -> Tensor:
-        """A replica's start point, ``common - coefficient * (global_values - params)``, into
-        ``out`` (flat, like the round's buffer); ``params`` is read, not written."""
-        torch.sub(global_values, params, out=out)
-        return out.mul_(-self.coefficient).add_(common)
+    def start(self, out: Tensor, common: Tensor, global_values: Tensor, params: Tensor, offset_weight: float = 0.0,
+              rows: int = 1) -> Tensor:
+        """A replica's start point, ``common - coefficient * (global_values - params - offset_weight
+        * out)``, into ``out`` (flat, like the round's buffer; what it holds on entry is the offset,
+        read only with a nonzero ``offset_weight``); ``params`` is read, not written. ``rows``:
+        the pieces the difference is formed in (a temporary of one piece)."""
+        if offset_weight:
+            out.mul_(self.coefficient * offset_weight)
+        else:
+            out.zero_()
+        for target, values, own, shared in zip(out.view(rows, -1), global_values.view(rows, -1), params.view(rows, -1),
+                                               common.view(rows, -1)):  # fmt: skip
+            target.sub_(torch.sub(values, own), alpha=self.coefficient).add_(shared)
+        return out

@@ -105,10 +105,11 @@ METHODS: dict[str, MethodSpec] = {
 @dataclass(frozen=True)
 class LocalSpec:
     """A local-steps method's name, parsed:
-    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX]`` (acco
+    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb]`` (acco
     ``mode="local"``, library defaults for what is not named; ``-bB``: ``outer_bits=B``,
     ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
-    and momentum, the other from the library's default), ``diloco-hH[-olrX]`` (torchft's
+    and momentum, the other from the library's default; ``-hb``: heavy-ball momentum, not Nesterov's),
+    ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
@@ -118,6 +119,7 @@ class LocalSpec:
     overlap: str | None = None  # acco: discard, keep or estimate (None: the library's default)
     outer_lr: float | None = None  # None: the library's default (acco), DiLoCo's 0.7 (torchft)
     outer_momentum: float | None = None
+    nesterov: bool = True  # -hb: heavy-ball momentum instead (acco)
     fragments: int = 2
     outer_bits: int | None = None  # acco: None is the library's default
     error_feedback: bool = True
@@ -143,6 +145,8 @@ class LocalSpec:
                     spec = dataclasses.replace(spec, outer_lr=float(part[3:]))
                 elif part.startswith("mom") and kind == "local":
                     spec = dataclasses.replace(spec, outer_momentum=float(part[3:]))
+                elif part == "hb" and kind == "local":
+                    spec = dataclasses.replace(spec, nesterov=False)
                 elif part.startswith("d") and kind != "diloco":
                     spec = dataclasses.replace(spec, sync_delay=int(part[1:]))
                 elif part.startswith("f") and kind == "sdiloco":
@@ -156,6 +160,7 @@ class LocalSpec:
     def label(self) -> str:
         olr = "" if self.outer_lr is None else f", outer lr {self.outer_lr:g}"
         olr += "" if self.outer_momentum is None else f", outer momentum {self.outer_momentum:g}"
+        olr += "" if self.nesterov else " (heavy ball)"
         if self.kind == "diloco":
             return f"DiLoCo (torchft), H = {self.sync_every}{olr}"
         if self.kind == "sdiloco":
@@ -606,11 +611,12 @@ class AccoLocalMethod(Method):
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
         self.sync_every = local.sync_every
         options: dict[str, Any] = {"sync_every": local.sync_every}
-        if local.outer_lr is not None or local.outer_momentum is not None:
+        if local.outer_lr is not None or local.outer_momentum is not None or not local.nesterov:
             default = acco_module.default_outer(local.sync_every).keywords
             options["outer_optimizer"] = functools.partial(
                 torch.optim.SGD, lr=default["lr"] if local.outer_lr is None else local.outer_lr,
-                momentum=default["momentum"] if local.outer_momentum is None else local.outer_momentum, nesterov=True)
+                momentum=default["momentum"] if local.outer_momentum is None else local.outer_momentum,
+                nesterov=local.nesterov)
         if local.sync_delay is not None:
             options["sync_delay"] = local.sync_delay
         if local.overlap is not None:

@@ -256,10 +256,12 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
 
     ``overlap="estimate"`` (sync_delay > 0; docs/design.md, "The estimate rule") lands as
     "keep" does, and at the launch each replica moves to its start
-    s_m = y - a * (c - theta_m), y = x * (1 - lr * a * wd) - lr * b * momentum (x and the outer
-    SGD's momentum before this round's step; a = 1 + mu, b = mu^2 with Nesterov, else 1 and
-    mu), what the outer step would give if every replica's pseudo-gradient were its own; the
-    landing then adds x_new - s_m. Below 32 bits y travels as x does, quantised against a copy.
+    s_m = y - lr a P_m, y = x * (1 - lr * a * wd) - lr * b * momentum (x and the outer SGD's
+    momentum before this round's step; a = 1 + mu, b = mu^2 with Nesterov, else 1 and mu),
+    what the outer step would give if every replica's pseudo-gradient were its own,
+    P_m = c - theta_m - A (j / H) d_m: d_m its last start minus the x that corrected it, j the
+    steps it took from that start, A = min(1, 0.7 / (lr a)); the landing then adds x_new - s_m.
+    Below 32 bits y travels as x does, quantised against a copy.
 
     Below 32 bits (docs/design.md, "Lighter outer rounds") the replicas land at c, a copy of x
     every rank holds, and the flat layout's rows (one per replica, ceil(P / R) values, zero
@@ -298,13 +300,25 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
 
     copy_of_y = common_part()
 
+    # The share of a replica's last start offset (start - the x that corrected it) its next
+    # estimate takes out of its pseudo-gradient: min(1, 0.7 / (lr a)) for a whole round of steps
+    # from that start, j/H of it after j steps (docs/design.md, "The estimate rule").
+    recovery = min(1.0, 0.7 / (hp["lr"] * a))
+    offsets: list[tuple[int, Params] | None] = [None for _ in replicas]  # (steps from the start, offset)
+
     def starts(handed: list[Params]) -> list[Params]:
         """Each replica's estimate of the outer step, from its own pseudo-gradient."""
         out = []
-        for own in handed:
+        for own, offset in zip(handed, offsets):
             c = unflat(copy_of_x, shapes)
             y = unflat(copy_of_y, shapes)
-            out.append({k: y[i] - hp["lr"] * a * (c[i] - own[k]) for i, k in enumerate(names)})
+            start = {}
+            for i, k in enumerate(names):
+                pseudo_grad = c[i] - own[k]
+                if offset is not None:
+                    pseudo_grad = pseudo_grad - recovery * offset[0] / sync_every * offset[1][k]
+                start[k] = y[i] - hp["lr"] * a * pseudo_grad
+            out.append(start)
         return out
 
     def launch(n: int, start: bool = True) -> tuple[int, Params, list[Params]]:
@@ -340,9 +354,11 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
 
     def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:
         n0, new_x, handed = flight
-        for ref, own in zip(replicas, handed):
+        for m, (ref, own) in enumerate(zip(replicas, handed)):
             now = ref.params()
             ref.load({k: new_x[k] + (now[k] - own[k]) if keep else new_x[k] for k in new_x})
+            kept = keep and n > n0
+            offsets[m] = (n - n0, {k: own[k] - new_x[k] for k in new_x}) if kept else None
         return keep and n > n0
 
     keeps = overlap in ("keep", "estimate") and sync_delay > 0

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 ESTIMATE = {"overlap": "estimate"}
 
 
-@pytest.mark.parametrize("bits,delay", [(4, H), (4, 1), (8, 2)])
+@pytest.mark.parametrize("bits,delay", [(4, H), (8, 1)])
 def test_quantised_estimate_equals_its_recurrence(ranks, bits, delay) -> None:
     """Below 32 bits the common part y travels as x does (quantised against each rank's copy):
     every replica ends where the recurrence puts it, identical on every rank; each round sends
@@ -102,7 +102,7 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
     assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits,delay,stop", [(32, H, 4), (4, H, 5), (4, 1, 6)])
+@pytest.mark.parametrize("bits,delay,stop", [(32, H, 4), (4, 1, 6)])
 def test_resume_is_bit_identical(ranks, bits, delay, stop) -> None:
     """A state saved with a round in flight (its copy of y already brought up to date by the
     lane, its x gather replayed at the load) or between rounds resumes bit for bit."""
