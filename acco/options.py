@@ -24,7 +24,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "DILOCO_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -90,22 +90,27 @@ _WHOLE_TENSOR: tuple[type, ...] = tuple(
 _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 
 
-# mode="local": DiLoCo's outer optimizer (Charles et al., arXiv 2503.09799).
-DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+# mode="local": the outer Nesterov SGD that measured best at H = 8 for blocking rounds and for the
+# estimate rule alike (docs/loops.md, "Local steps that never wait"); DiLoCo's own (lr 0.7, momentum
+# 0.9; Douillard et al.) was tuned for H in the hundreds, where docs/api.md says to pass it.
+DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
+DILOCO_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
 
 
 def default_outer(sync_every: int) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
-    steps per round."""
+    steps per round (the same at every ``sync_every`` measured: docs/loops.md)."""
     return DEFAULT_OUTER
 # When an outer round lands: "auto" at the first inner step at which the comm lane has finished
 # it (at the latest sync_every steps after its launch); "half" sync_every // 2 inner steps after
-# its launch, with "discard" the pair that measured best (docs/loops.md, "Slow links: local
-# steps"); typed, so a configurator can override them.
+# its launch. With "estimate" (each replica starts from its own estimate of the outer step and
+# keeps every step) "auto" never waits while a round takes at most sync_every inner steps: the
+# pair that measured best (docs/loops.md, "Local steps that never wait"); with an outer optimizer
+# that has no linear split the default rule is "discard". Typed, so a configurator can override them.
 AUTO, HALF = "auto", "half"
-DEFAULT_SYNC_DELAY = HALF
-DEFAULT_OVERLAP = "discard"
+DEFAULT_SYNC_DELAY = AUTO
+DEFAULT_OVERLAP = "estimate"
 # Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"): 4 measured as
 # fp32 at equal inner steps and on an unlimited link, and ahead behind 20 and 50 Mbit/s
 # (docs/loops.md, "Lighter outer rounds"); and whether below 16 what quantisation dropped is

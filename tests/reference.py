@@ -239,7 +239,7 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
 
 
 def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
-                    sync_every: int, sync_delay: int, overlap: str = "discard", max_norm: float | None = None,
+                    sync_every: int, sync_delay: int, overlap: str = "estimate", max_norm: float | None = None,
                     outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None, outer_bits: int = 32,
                     error_feedback: bool = True) -> list[Params]:
     """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
@@ -249,7 +249,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     - a round launched at step n0 lands when n - n0 >= sync_delay: theta_m = x (+ theta_m -
       handed_m with overlap "keep" and sync_delay > 0);
     - when n % sync_every == 0: handed_m = theta_m; x = OuterOpt(x, x - mean_m theta_m) (the
-      outer optimizer on a whole copy of x, with DiLoCo's Nesterov SGD by default); with
+      outer optimizer on a whole copy of x, with the library's default Nesterov SGD); with
       sync_delay 0 it lands at once.
     At the end a round in flight lands, then a last one (landing without "keep") over any
     inner step since, so every replica ends at x.
@@ -273,7 +273,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     replicas = [Reference(init, optimizer, max_norm) for _ in steps[0]]
     x = [p.detach().clone().requires_grad_(True) for p in init.values()]
     names = list(init)
-    outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)))(x)
+    outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.3, nesterov=True)))(x)  # the default
     in_flight: tuple[int, Params, list[Params]] | None = None  # (launched at, new x, handed)
     unsynced = False
 

@@ -81,7 +81,7 @@ def expected(world_size: int, steps: int, optimizer: str, **options) -> list[dic
 @pytest.mark.parametrize("world_size,layout,optimizer", [(2, "flat", "adamw"), (3, "tensor", "sgd"), (3, "flat", "adamw")])
 def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     """sync_delay=0 is DiLoCo: each replica its own inner optimizer on its own (weighted, clipped)
-    gradients, Nesterov SGD (lr 0.7, momentum 0.9) on the mean pseudo-gradient every 3 steps,
+    gradients, Nesterov SGD (lr 0.5, momentum 0.3, the default) on the mean pseudo-gradient every 3 steps,
     and every replica holds the new global values after every outer round; a last round at
     finish() carries the inner steps since (8 steps: rounds after 3, 6 and at the end)."""
     steps = 8
@@ -260,7 +260,7 @@ def bad(**options) -> None:
     ({"mode": "local", "param_dtype": torch.bfloat16}, "param_dtype"),
     ({"mode": "local", "reduce_dtype": torch.float32}, "reduce_dtype"),
     ({"mode": "local", "overlap": "blend"}, "overlap: 'blend'"),
-    ({"mode": "local", "sync_every": 4, "sync_delay": 4}, "sync_delay: 4 with overlap='discard'"),
+    ({"mode": "local", "sync_every": 4, "sync_delay": 4, "overlap": "discard"}, "sync_delay: 4 with overlap='discard'"),
     ({"mode": "local", "sync_delay": "soon"}, "sync_delay: 'soon'"),
     ({"mode": "local", "outer_optimizer": 3}, "outer_optimizer"),
     ({"mode": "acco", "sync_every": 8}, "sync_every=8 need mode='local'"),
@@ -293,7 +293,7 @@ def test_whole_tensor_outer_optimizer_refuses_a_flat_shard() -> None:
 def test_one_process_is_diloco_with_one_replica() -> None:
     """Without a process group (one replica) the mode still equals the recurrence."""
     result = run_rank(7, "adamw", "flat", True, {"sync_every": H, "sync_delay": 1, "overlap": "discard", **FP32})
-    assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1)[0])
+    assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1, overlap="discard")[0])
 
 
 def mesh_rank(inner: str, steps: int, delay: int) -> dict:
@@ -333,22 +333,27 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
             for t in range(steps)]
     data = [[[(x, y, 1.0) for x, y, _ in replica] for replica in step] for step in data]
     init = params_of(make_model(hidden=hidden_of(inner)))
-    reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, max_norm=MAX_NORM)
+    reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, overlap="discard", max_norm=MAX_NORM)
     assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
 
 
 def test_defaults() -> None:
-    """sync_every 30, sync_delay "half" (sync_every // 2; 0 for sync_every 1), overlap "discard",
-    DiLoCo's outer Nesterov SGD, 4 bits with error feedback: what measured best (docs/loops.md);
+    """sync_every 30, sync_delay "auto", overlap "estimate", Nesterov SGD with lr 0.5 and momentum
+    0.3, 4 bits with error feedback: what measured best (docs/loops.md); with an outer optimizer
+    that has no linear split the default rule is "discard" ("half" still means sync_every // 2);
     typed defaults, which other modes accept as passed (a configurator's)."""
     opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
     local = opt.options.local
-    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 15, "discard")
+    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, "auto", "estimate")
     assert (local.outer_bits, local.error_feedback) == (4, True)
-    assert opt.outer_optimizers[0].defaults["lr"] == 0.7 and opt.outer_optimizers[0].defaults["nesterov"]
+    outer = opt.outer_optimizers[0].defaults
+    assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (0.5, 0.3, True)
     opt.finish()
-    assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1).options.local.sync_delay == 0
-    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="half", overlap="discard",
+    adam = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_optimizer=torch.optim.Adam)
+    assert adam.options.local.overlap.value == "discard" and adam.options.local.sync_delay == "auto"
+    adam.finish()
+    assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1, sync_delay="half").options.local.sync_delay == 0
+    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="auto", overlap="estimate",
                          outer_bits=4, outer_error_feedback=True)
     assert same.options.local is None
     same.finish()

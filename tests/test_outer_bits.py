@@ -70,7 +70,7 @@ def test_quantised_rounds_equal_their_recurrence(ranks, world_size, bits, feedba
     full_precision = expected(world_size, steps, "adamw", sync_every=H, sync_delay=delay, overlap=overlap)
     assert_identical_across_ranks(results)
     assert_params_close(results[0]["params"], reference[0], rtol=0, atol=1e-6)
-    assert max((reference[0][k] - full_precision[0][k]).abs().max() for k in reference[0]) > 1e-4  # not vacuous
+    assert max((reference[0][k] - full_precision[0][k]).abs().max() for k in reference[0]) > 1e-5  # not vacuous (10x the tolerance)
     padded = results[0]["padded"]
     sizes = [p.numel() for p in make_model().parameters()]
     rounds = results[0]["bytes"]
