@@ -5,7 +5,9 @@
 
     python benchmarks/outer_defaults.py       # prints the tables of docs/loops.md, "Local steps that never wait"
 
-Reads ``benchmarks/results/equal_steps-grid-*.json``, each made by one command of this form (2
+Reads ``benchmarks/results/equal_steps-grid-*.json`` (the rule as it is) and
+``equal_steps-norecovery-*.json`` (the estimate rule before its recovery term; their blocking
+runs count for both), each made by one command of this form (2
 ranks, the time-to-loss GPT, 240 inner steps, the library's 4-bit rounds; no root needed)::
 
     python benchmarks/time_to_loss.py --links unlimited --steps 240 --budget 900 --max-quiet-wait 0 \\
@@ -28,11 +30,12 @@ import common
 __all__ = ["grid", "tables"]
 
 
-def grid(paths: list[Path]) -> dict[tuple[int, int, bool], dict[tuple[float, float], dict[str, float]]]:
+def grid(paths: list[Path], blocking_only: list[Path] = ()) -> dict[tuple[int, int, bool], dict[tuple[float, float], dict[str, float]]]:
     """Per (H, seed, Nesterov): per (outer lr, momentum): {"blocking": loss, "estimate": loss,
-    "estimate, delay D": loss for other delays}."""
+    "estimate, delay D": loss for other delays}; from ``blocking_only`` the blocking runs alone
+    (runs of another version of the estimate rule: blocking does not depend on it)."""
     out: dict[tuple[int, int, bool], dict[tuple[float, float], dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
-    for path in paths:
+    for path in [*paths, *blocking_only]:
         data = json.loads(path.read_text())
         for run in data["runs"]:
             for name, result in run["methods"].items():
@@ -41,6 +44,8 @@ def grid(paths: list[Path]) -> dict[tuple[int, int, bool], dict[tuple[float, flo
                     continue
                 if spec.sync_delay == 0:
                     rule = "blocking"
+                elif path in blocking_only:
+                    continue
                 elif spec.overlap == "estimate" and spec.sync_delay == spec.sync_every:
                     rule = "estimate"
                 else:
@@ -50,10 +55,10 @@ def grid(paths: list[Path]) -> dict[tuple[int, int, bool], dict[tuple[float, flo
     return out
 
 
-def tables(paths: list[Path]) -> str:
+def tables(paths: list[Path], blocking_only: list[Path] = ()) -> str:
     """One table per (H, seed, momentum kind): blocking / estimate (gap) per cell, the best of each bold."""
     parts = []
-    for (h, seed, nesterov), cells in sorted(grid(paths).items()):
+    for (h, seed, nesterov), cells in sorted(grid(paths, blocking_only).items()):
         lrs = sorted({lr for lr, _ in cells})
         moms = sorted({mu for _, mu in cells})
         best = {rule: min((c[rule], key) for key, c in cells.items() if rule in c)
@@ -87,7 +92,10 @@ def tables(paths: list[Path]) -> str:
 
 
 def main() -> None:
-    print(tables(sorted(common.RESULTS_DIR.glob("equal_steps-grid-*.json"))))
+    final, earlier = (sorted(common.RESULTS_DIR.glob(f"equal_steps-{kind}-*.json")) for kind in ("grid", "norecovery"))
+    print("## The estimate rule as it is\n\n" + tables(final, earlier))
+    print("\n\n## Without the recovery term (the rule as first built: each start from the replica's own "
+          "pseudo-gradient alone)\n\n" + tables(earlier))
 
 
 if __name__ == "__main__":

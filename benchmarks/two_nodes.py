@@ -73,7 +73,7 @@ METHODS: dict[str, Spec] = {
     "fsdp-acco": Spec("FSDP2 inside + acco `acco` across", "fsdp", "acco"),
     "fsdp-acco-aww": Spec("FSDP2 inside + acco `acco` across, `ready()` loop", "fsdp", "acco", ready_loop=True),
     "flat-acco": Spec("flat acco `acco` on 4 ranks (no FSDP2)", "none", "acco"),
-    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, default delay and bits", "fsdp", "local",
+    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, library defaults (estimate, auto)", "fsdp", "local",
                        local={"sync_every": 16}),
     "fsdp-local-blocking": Spec("FSDP2 inside + acco `local` across, H = 16, blocking", "fsdp", "local",
                                 local={"sync_every": 16, "sync_delay": 0}),
