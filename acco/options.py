@@ -24,7 +24,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "DILOCO_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -60,7 +60,7 @@ class Overlap(str, enum.Enum):
     """mode="local": what the inner steps taken while an outer round is in flight become
     when it lands (docs/design.md, "Local steps")."""
 
-    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default; acco's)
+    DISCARD = "discard"  # dropped: every replica takes the new global values (torchft's default)
     KEEP = "keep"  # added on top of the new global values (they count in the next outer round)
     # Kept, and taken from an estimate: at the launch each replica moves to the outer step its own
     # pseudo-gradient would give (acco.outer_step); the landing corrects that start to the real one.
@@ -94,7 +94,6 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # estimate rule alike (docs/loops.md, "Local steps that never wait"); DiLoCo's own (lr 0.7, momentum
 # 0.9; Douillard et al.) was tuned for H in the hundreds, where docs/api.md says to pass it.
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
-DILOCO_OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
 
 
@@ -102,6 +101,8 @@ def default_outer(sync_every: int) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
     steps per round (the same at every ``sync_every`` measured: docs/loops.md)."""
     return DEFAULT_OUTER
+
+
 # When an outer round lands: "auto" at the first inner step at which the comm lane has finished
 # it (at the latest sync_every steps after its launch); "half" sync_every // 2 inner steps after
 # its launch. With "estimate" (each replica starts from its own estimate of the outer step and
