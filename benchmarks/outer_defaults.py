@@ -5,6 +5,11 @@
 
     python benchmarks/outer_defaults.py       # prints the tables of docs/loops.md, "Local steps that never wait"
 
+It also prints the equal-time runs of that section when their files are there
+(``slow_links-20mbit.json``, ``local_default-500mbit.json``: time_to_loss.py with three seeds;
+``two_nodes-estimate-RATE[-more].json``: two_nodes.py; the commands are in the files and in
+docs/loops.md).
+
 Reads ``benchmarks/results/equal_steps-grid-*.json`` (the rule as it is) and
 ``equal_steps-norecovery-*.json`` (the estimate rule before its recovery term; their blocking
 runs count for both), each made by one command of this form (2
@@ -21,6 +26,7 @@ ranks, the time-to-loss GPT, 240 inner steps, the library's 4-bit rounds; no roo
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -91,11 +97,62 @@ def tables(paths: list[Path], blocking_only: list[Path] = ()) -> str:
     return "\n\n".join(parts)
 
 
+def flat_table(path: Path) -> str:
+    """A time_to_loss.py run with several seeds: per method, the median (min-max) held-out loss
+    and the median inner steps (updates) and MB per outer round."""
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    rows = []
+    for name in runs[0]["methods"]:
+        results = [r["methods"][name] for r in runs if "final_loss" in r["methods"].get(name, {})]
+        losses = [m["final_loss"] for m in results]
+        steps = statistics.median(m.get("inner_steps", m["updates"]) for m in results)
+        per_sync = [m["lo_bytes_per_sync"] / 1e6 for m in results if m.get("lo_bytes_per_sync")]
+        rows.append([common.label(name), f"{statistics.median(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})",
+                     " / ".join(f"{x:.4f}" for x in losses), f"{steps:g}",
+                     f"{statistics.median(per_sync):.3f}" if per_sync else "-"])
+    rate = common.rate_text(next(iter(data["rates"].values())))
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    return (f"`{path.name}`: 2 ranks behind {rate}, {data['config']['budget_s']:g} s each, seeds {seeds}\n\n"
+            + common.md_table(["method", "held-out loss, median (min-max)", "per seed", "inner steps (median)",
+                               "MB per outer round"], rows))
+
+
+def two_nodes_table(*paths: Path) -> str:
+    """two_nodes.py runs (repeats): per method, the median held-out loss and inner steps per
+    second, and that rate against compute-only's (within the same file's repeats)."""
+    rows, rate = [], None
+    for path in paths:
+        nodes = json.loads(path.read_text())["nodes"]
+        rate = nodes["rate"]
+        for name in nodes["repeats"][0]:
+            runs = [r[name] for r in nodes["repeats"] if "final_loss" in r.get(name, {})]
+            losses = [r["final_loss"] for r in runs]
+            speed = statistics.median(r.get("inner_steps_per_s") or r["updates"] / r["end_s"] for r in runs)
+            per_update = statistics.median(r["link_bytes_per_update"] for r in runs) / 1e6
+            rows.append([name, f"{statistics.median(losses):.4f}", " / ".join(f"{x:.4f}" for x in losses),
+                         f"{speed:.3f}", f"{per_update:.3f}", path.name])
+    only = [float(r[3]) for r in rows if r[0] == "fsdp-local-compute-only"]
+    for row in rows:
+        row.insert(4, f"{float(row[3]) / only[0]:.2f}" if only and row[0].startswith("fsdp-local") else "-")
+    return (f"Two emulated nodes behind {common.rate_text(rate)} (FSDP2 inside each, 4 ranks)\n\n"
+            + common.md_table(["method", "held-out loss (median)", "per repeat", "updates (inner steps) / s",
+                               "x compute-only", "MB across per update", "results"], rows))
+
+
 def main() -> None:
     final, earlier = (sorted(common.RESULTS_DIR.glob(f"equal_steps-{kind}-*.json")) for kind in ("grid", "norecovery"))
     print("## The estimate rule as it is\n\n" + tables(final, earlier))
     print("\n\n## Without the recovery term (the rule as first built: each start from the replica's own "
           "pseudo-gradient alone)\n\n" + tables(earlier))
+    results = common.RESULTS_DIR
+    for name in ("slow_links-20mbit.json", "local_default-500mbit.json"):
+        if (results / name).exists():
+            print("\n\n## Equal time\n\n" + flat_table(results / name))
+    for rate in ("20mbit", "60mbit"):
+        files = [results / f"two_nodes-estimate-{rate}{more}.json" for more in ("", "-more")]
+        if all(f.exists() for f in files):
+            print("\n\n## Two nodes\n\n" + two_nodes_table(*files))
 
 
 if __name__ == "__main__":
