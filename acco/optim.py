@@ -160,11 +160,12 @@ class AccoOptimizer(torch.optim.Optimizer):
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
         sync_every: ``local`` only: inner steps between outer rounds (default 30).
-        sync_delay: ``local`` only: when an outer round lands: ``"auto"`` (default) at the
-            first inner step at which the comm lane has finished it (at the latest
-            ``sync_every`` steps after its launch, waiting then if it must), or after a fixed
-            number of inner steps in ``[0, sync_every]`` or ``"half"`` (bit-for-bit
-            reproducible; 0 is blocking DiLoCo).
+        sync_delay: ``local`` only: when an outer round lands: 0 (default) at once, blocking
+            DiLoCo; ``"auto"`` at the first inner step at which the comm lane has finished it
+            (at the latest ``sync_every`` steps after its launch, waiting then if it must: for
+            links where a round takes a good share of ``sync_every`` inner steps); or after a
+            fixed number of inner steps in ``[0, sync_every]`` or ``"half"`` (bit-for-bit
+            reproducible).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default ``partial(SGD, lr=0.5, momentum=0.3, nesterov=True)``, measured at
             ``sync_every`` 8-32), stepped on this rank's 1/R shard of the global values with

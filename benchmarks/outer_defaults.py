@@ -25,12 +25,14 @@ ranks, the time-to-loss GPT, 240 inner steps, the library's 4-bit rounds; no roo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import acco
 import common
 
 __all__ = ["grid", "tables"]
@@ -46,9 +48,19 @@ def grid(paths: list[Path], blocking_only: list[Path] = ()) -> dict[tuple[int, i
         for run in data["runs"]:
             for name, result in run["methods"].items():
                 spec = common.LocalSpec.parse(name)
-                if spec is None or spec.outer_lr is None or spec.outer_momentum is None or "final_loss" not in result:
+                if spec is None or "final_loss" not in result:
                     continue
-                if spec.sync_delay == 0:
+                if spec.sync_delay is None and spec.overlap is None and spec.outer_lr is None and spec.outer_momentum is None:
+                    if path in blocking_only:
+                        continue
+                    outer = acco.default_outer(spec.sync_every).keywords  # the library's defaults: their cell
+                    spec = dataclasses.replace(spec, outer_lr=outer["lr"], outer_momentum=outer["momentum"],
+                                               sync_delay="library default")
+                if spec.outer_lr is None or spec.outer_momentum is None:
+                    continue
+                if spec.sync_delay == "library default":
+                    rule = "library defaults (estimate, auto)"
+                elif spec.sync_delay == 0:
                     rule = "blocking"
                 elif path in blocking_only:
                     continue

@@ -73,15 +73,20 @@ METHODS: dict[str, Spec] = {
     "fsdp-acco": Spec("FSDP2 inside + acco `acco` across", "fsdp", "acco"),
     "fsdp-acco-aww": Spec("FSDP2 inside + acco `acco` across, `ready()` loop", "fsdp", "acco", ready_loop=True),
     "flat-acco": Spec("flat acco `acco` on 4 ranks (no FSDP2)", "none", "acco"),
-    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, library defaults (estimate, auto)", "fsdp", "local",
+    "fsdp-local": Spec("FSDP2 inside + acco `local` across, H = 16, default delay and bits", "fsdp", "local",
                        local={"sync_every": 16}),
     "fsdp-local-blocking": Spec("FSDP2 inside + acco `local` across, H = 16, blocking", "fsdp", "local",
                                 local={"sync_every": 16, "sync_delay": 0}),
+    # H = 8, where the outer defaults were measured: the estimate rule with auto landing, and blocking.
+    "fsdp-local-h8-estimate": Spec("FSDP2 inside + acco `local` across, H = 8, estimate, auto", "fsdp", "local",
+                                   local={"sync_every": 8, "sync_delay": "auto", "overlap": "estimate"}),
+    "fsdp-local-h8-blocking": Spec("FSDP2 inside + acco `local` across, H = 8, blocking", "fsdp", "local",
+                                   local={"sync_every": 8, "sync_delay": 0}),
     "fsdp-local-b32": Spec("FSDP2 inside + acco `local` across, H = 16, default delay, 32 bits", "fsdp", "local",
                            local={"sync_every": 16, "outer_bits": 32}),
     # The default before the estimate rule: half a round in flight, those steps dropped, DiLoCo's outer SGD.
-    "fsdp-local-discard": Spec("FSDP2 inside + acco `local` across, H = 16, delay 8, discard, outer (0.7, 0.9)",
-                               "fsdp", "local", local={"sync_every": 16, "sync_delay": 8, "overlap": "discard",
+    "fsdp-local-discard": Spec("FSDP2 inside + acco `local` across, H = 8, delay 4, discard, outer (0.7, 0.9)",
+                               "fsdp", "local", local={"sync_every": 8, "sync_delay": 4, "overlap": "discard",
                                                        "outer_optimizer": functools.partial(
                                                            torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.

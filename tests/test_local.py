@@ -338,22 +338,23 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
 
 
 def test_defaults() -> None:
-    """sync_every 30, sync_delay "auto", overlap "estimate", Nesterov SGD with lr 0.5 and momentum
-    0.3, 4 bits with error feedback: what measured best (docs/loops.md); with an outer optimizer
-    that has no linear split the default rule is "discard" ("half" still means sync_every // 2);
-    typed defaults, which other modes accept as passed (a configurator's)."""
+    """sync_every 30, sync_delay 0 (blocking), overlap "estimate" (where a delay is given), Nesterov
+    SGD with lr 0.5 and momentum 0.3, 4 bits with error feedback: what measured best
+    (docs/loops.md); with an outer optimizer that has no linear split the default rule is
+    "discard" ("half" still means sync_every // 2); typed defaults, which other modes accept as
+    passed (a configurator's)."""
     opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", lr=1e-3)
     local = opt.options.local
-    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, "auto", "estimate")
+    assert (local.sync_every, local.sync_delay, local.overlap.value) == (30, 0, "estimate")
     assert (local.outer_bits, local.error_feedback) == (4, True)
     outer = opt.outer_optimizers[0].defaults
     assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (0.5, 0.3, True)
     opt.finish()
     adam = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_optimizer=torch.optim.Adam)
-    assert adam.options.local.overlap.value == "discard" and adam.options.local.sync_delay == "auto"
+    assert adam.options.local.overlap.value == "discard" and adam.options.local.sync_delay == 0
     adam.finish()
     assert AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=1, sync_delay="half").options.local.sync_delay == 0
-    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay="auto", overlap="estimate",
+    same = AccoOptimizer(make_model(), torch.optim.AdamW, mode="acco", sync_every=30, sync_delay=0, overlap="estimate",
                          outer_bits=4, outer_error_feedback=True)
     assert same.options.local is None
     same.finish()
@@ -461,16 +462,17 @@ def test_a_step_between_eval_and_train_is_refused() -> None:
     assert "call opt.train() before the next forward pass" in step_after_eval()
 
 
-def consolidated_local(path: str, before: int, after: int, save: bool, pending: bool) -> dict:
+def consolidated_local(path: str, before: int, after: int, save: bool, pending: bool, options: dict | None = None) -> dict:
     """Inner steps ``before`` .. ``before + after`` of a 2-replica run (sync_every 3, sync_delay
     2, keep: a round in flight at the save), saved by rank 0 after ``before`` steps with
     consolidate_state_dict(to=0) (``save``) or loaded from that file into fresh processes.
-    ``pending``: one micro-batch of the next step is accumulated before the save."""
+    ``pending``: one micro-batch of the next step is accumulated before the save; ``options``:
+    the local ones (those above by default)."""
     if not save:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = make_model(seed=rank + (0 if save else 7))
-    opt = build(model, "adamw", sync_every=H, sync_delay=2, overlap="keep")
+    opt = build(model, "adamw", sync_every=H, **(options or {"sync_delay": 2, "overlap": "keep"}))
     data = step_data(before, rank)
     if save:
         for t in range(before):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from acco import AccoOptimizer
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
 from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
-from tests.test_local import H, MAX_NORM, build, expected, inner_step, resume_rank, run_rank
+from tests.test_local import H, MAX_NORM, build, consolidated_local, expected, inner_step, resume_rank, run_rank
 from tests.test_outer_bits import row_bytes, run_rank as bits_rank
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,40 +114,15 @@ def test_resume_is_bit_identical(ranks, bits, delay, stop) -> None:
     assert_identical_across_ranks(results, "resumed")
 
 
-def consolidated_rank(path: str, save: bool) -> dict:
-    """A run of 9 inner steps, saved after 4 (a whole round in flight) through
-    consolidate_state_dict(to=0) by rank 0, or resumed from that file in fresh processes."""
-    if not save:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = make_model(seed=rank + (0 if save else 7))
-    opt = build(model, "adamw", sync_every=H, sync_delay=H, **ESTIMATE)
-    if save:
-        for t in range(4):
-            inner_step(opt, model, t, rank, False)
-        opt.consolidate_state_dict(to=0)
-        if rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-        dist.barrier()
-    else:
-        checkpoint = torch.load(path, weights_only=True)
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-    in_flight = opt.in_flight is not None
-    for t in range(4, 9):
-        inner_step(opt, model, t, rank, False)
-    opt.finish()
-    return {"params": params_of(model), "in_flight": in_flight}
-
-
 def test_a_rank_zero_checkpoint_resumes_every_replica_exactly(ranks, tmp_path) -> None:
-    """consolidate_state_dict(to=0) with a whole round in flight: fresh processes end bit for
-    bit as the uninterrupted run (each replica's own start comes back from rank 0's file)."""
+    """consolidate_state_dict(to=0) after 4 inner steps with a whole round in flight: fresh
+    processes end bit for bit as the uninterrupted run (each replica's own start comes back from
+    rank 0's file)."""
     from tests.ranks import run_fresh
 
-    path = str(tmp_path / "ckpt.pt")
-    uninterrupted = ranks(2).run(consolidated_rank, path, True)
-    resumed = run_fresh(consolidated_rank, path, False, world_size=2)
+    path, options = str(tmp_path / "ckpt.pt"), {"sync_delay": H, **ESTIMATE}
+    uninterrupted = ranks(2).run(consolidated_local, path, 4, 5, True, False, options)
+    resumed = run_fresh(consolidated_local, path, 4, 5, False, False, options, world_size=2)
     assert all(r["in_flight"] for r in resumed)
     for a, b in zip(resumed, uninterrupted):
         assert_params_equal(a["params"], b["params"])
