@@ -34,6 +34,7 @@ from typing import Any
 
 import acco
 import common
+from slow_links_figure import LABELS
 
 __all__ = ["grid", "tables"]
 
@@ -120,7 +121,7 @@ def flat_table(path: Path) -> str:
         losses = [m["final_loss"] for m in results]
         steps = statistics.median(m.get("inner_steps", m["updates"]) for m in results)
         per_sync = [m["lo_bytes_per_sync"] / 1e6 for m in results if m.get("lo_bytes_per_sync")]
-        rows.append([common.label(name), f"{statistics.median(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})",
+        rows.append([LABELS.get(name, common.label(name)), f"{statistics.median(losses):.4f} ({min(losses):.4f}-{max(losses):.4f})",
                      " / ".join(f"{x:.4f}" for x in losses), f"{steps:g}",
                      f"{statistics.median(per_sync):.3f}" if per_sync else "-"])
     rate = common.rate_text(next(iter(data["rates"].values())))

@@ -24,6 +24,15 @@ import common
 
 SOURCE = common.RESULTS_DIR / "slow_links-20mbit.json"
 FIGURE = common.REPO_ROOT / "docs" / "slow_links.png"
+# What each name meant when the run was made (a name without settings means the library's
+# defaults of that day: then the estimate rule with auto landing; now blocking rounds).
+LABELS = {
+    "local-h16": "acco local, H = 16, estimate rule, auto landing",
+    "local-h8-dauto-estimate": "acco local, H = 8, estimate rule, auto landing",
+    "local-h8-d0": "acco local, H = 8, blocking (the default)",
+    "local-h16-d0": "acco local, H = 16, blocking (the default)",
+    "local-h16-d8-discard-olr0.7-mom0.9": "acco local, H = 16, the old default (discard, delay 8, outer 0.7 / 0.9)",
+}
 
 
 def curves(data: dict[str, Any]) -> dict[str, list[list[tuple[float, float]]]]:
@@ -39,7 +48,7 @@ def curves(data: dict[str, Any]) -> dict[str, list[list[tuple[float, float]]]]:
 def draw(data: dict[str, Any], path: Path) -> str:
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    rate = common.rate_text(next(iter(data["rates"].values())))
+    rate = common.rate_text(next(iter(data["rates"].values()))).replace("mbit", " Mbit/s")
     for number, (name, runs) in enumerate(curves(data).items()):
         colour = f"C{number}"
         for points in runs:
@@ -48,7 +57,8 @@ def draw(data: dict[str, Any], path: Path) -> str:
         times = [statistics.median(points[i][0] for points in runs) for i in range(length)]
         losses = [statistics.median(points[i][1] for points in runs) for i in range(length)]
         finals = statistics.median(points[-1][1] for points in runs)
-        ax.plot(times, losses, color=colour, lw=2.2, label=f"{common.label(name).replace('`', '')}: {finals:.3f}")
+        label = LABELS.get(name, common.label(name).replace("`", ""))
+        ax.plot(times, losses, color=colour, lw=2.2, label=f"{label}: {finals:.3f}")
     cfg = data["config"]
     ax.set(xlabel="training seconds (evaluations excluded)", ylabel="held-out loss",
            title=f"{cfg['ranks']} ranks behind {rate}, {cfg['budget_s']:g} s each; median of seeds "
