@@ -323,18 +323,23 @@ def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> 
     ranks' micro-batches (FSDP2) or its one micro-batch stream (TP); the outer round runs across
     mesh["replicate"] on the local shards. Equal to the recurrence with 2 replicas, identical
     full parameters on all 4 ranks."""
-    from tests.test_mesh import data_of, hidden_of
-
     steps = 7
     results = ranks(4).run(mesh_rank, inner, steps, delay)
     assert_identical_across_ranks(results)
+    assert_params_close(results[0]["params"], mesh_expected(inner, steps, delay, "discard"), rtol=1e-4, atol=1e-5)
+
+
+def mesh_expected(inner: str, steps: int, delay: int, overlap: str) -> dict[str, torch.Tensor]:
+    """The recurrence of a 2 x 2 mesh's two replica groups: each one replica fed its ranks'
+    micro-batches (FSDP2) or its one stream (TP)."""
+    from tests.test_mesh import data_of, hidden_of
+
     sources = (lambda m: [2 * m]) if inner == "tp" else (lambda m: [2 * m, 2 * m + 1])
     data = [[[data_of(inner, t, rank, i, False) for rank in sources(m) for i in range(2)] for m in range(2)]
             for t in range(steps)]
     data = [[[(x, y, 1.0) for x, y, _ in replica] for replica in step] for step in data]
     init = params_of(make_model(hidden=hidden_of(inner)))
-    reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, overlap="discard", max_norm=MAX_NORM)
-    assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
+    return local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, overlap=overlap, max_norm=MAX_NORM)[0]
 
 
 def test_defaults() -> None:

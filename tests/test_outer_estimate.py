@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from acco import AccoOptimizer
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
-from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
-from tests.test_local import H, MAX_NORM, build, consolidated_local, expected, inner_step, resume_rank, run_rank
+from tests.reference import OPTIMIZERS, loss_fn, make_model, params_of
+from tests.test_local import H, MAX_NORM, build, consolidated_local, expected, inner_step, mesh_expected, resume_rank, run_rank
 from tests.test_outer_bits import row_bytes, run_rank as bits_rank
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,19 +87,10 @@ def mesh_rank(inner: str, steps: int, delay: int) -> dict:
 def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> None:
     """FSDP2 or TP inside each replica group of a 2 x 2 mesh: the estimate is formed on each
     rank's local shards; equal to the recurrence with 2 replicas, identical on all 4 ranks."""
-    from tests.test_mesh import data_of, hidden_of
-
     steps = 8
     results = ranks(4).run(mesh_rank, inner, steps, delay)
     assert_identical_across_ranks(results)
-    sources = (lambda m: [2 * m]) if inner == "tp" else (lambda m: [2 * m, 2 * m + 1])
-    data = [[[data_of(inner, t, rank, i, False) for rank in sources(m) for i in range(2)] for m in range(2)]
-            for t in range(steps)]
-    data = [[[(x, y, 1.0) for x, y, _ in replica] for replica in step] for step in data]
-    init = params_of(make_model(hidden=hidden_of(inner)))
-    reference = local_reference(init, "adamw", data, sync_every=H, sync_delay=delay, overlap="estimate",
-                                max_norm=MAX_NORM)
-    assert_params_close(results[0]["params"], reference[0], rtol=1e-4, atol=1e-5)
+    assert_params_close(results[0]["params"], mesh_expected(inner, steps, delay, "estimate"), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits,delay,stop", [(32, H, 4), (4, 1, 6)])
