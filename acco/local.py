@@ -88,7 +88,7 @@ class LocalLoop(Loop):
         # written by the comm lane's gather leg, read at a launch once the last round has landed.
         self.common_terms = None
         if self.clock.estimates:
-            self.common_terms = [values.mul(local.estimate.keep) for values in self.global_values]
+            self.common_terms = [local.estimate.common(torch.empty_like(values), values, [], []) for values in self.global_values]
         self.residuals = None
         if local.error_feedback:
             self.residuals = [torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in parts.groups]
@@ -293,7 +293,7 @@ class LocalLoop(Loop):
         with torch.no_grad():
             for number, (group, target) in enumerate(zip(self._groups, self.common_terms)):
                 if saved.get("common_terms") is None:
-                    torch.mul(self.global_values[number], estimate.keep, out=target)
+                    estimate.common(target, self.global_values[number], [], [])
                 else:
                     target.copy_(full(group.plan, saved["common_terms"][number], group.param_dtype))
 

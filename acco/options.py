@@ -185,7 +185,7 @@ class LocalOptions:
                 "inner steps an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
-        outer = DEFAULT_OUTER if outer_optimizer is None else outer_optimizer
+        outer = default_outer(every) if outer_optimizer is None else outer_optimizer
         if not callable(outer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
         try:

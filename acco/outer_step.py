@@ -36,7 +36,7 @@ class LinearOuterStep:
 
     Attributes:
         coefficient: what multiplies the gradient (``lr * a``).
-        keep: what multiplies ``x`` in the common part (``1 - lr * a * weight_decay``).
+        decay_factor: what multiplies ``x`` in the common part (``1 - lr * a * weight_decay``).
         momentum_coefficient: what multiplies the momentum buffer (``lr * b``).
 
     The hyper-parameters are the outer optimizer's at construction: a schedule that changes
@@ -44,7 +44,7 @@ class LinearOuterStep:
     """
 
     coefficient: float
-    keep: float
+    decay_factor: float
     momentum_coefficient: float
 
     @property
@@ -79,12 +79,13 @@ class LinearOuterStep:
         nesterov = bool(group["nesterov"]) and momentum != 0
         a = 1.0 + momentum if nesterov else 1.0
         b = momentum * momentum if nesterov else momentum
-        return cls(coefficient=lr * a, keep=1.0 - lr * a * decay, momentum_coefficient=lr * b)
+        return cls(coefficient=lr * a, decay_factor=1.0 - lr * a * decay, momentum_coefficient=lr * b)
 
     def common(self, out: Tensor, x: Tensor, momenta: Sequence[Tensor | None], out_views: Sequence[Tensor]) -> Tensor:
-        """``out = keep * x - momentum_coefficient * m``: ``x`` a flat shard, ``momenta`` the
-        momentum buffers of the pieces ``out_views`` (views of ``out``) hold (None: none yet)."""
-        torch.mul(x, self.keep, out=out)
+        """``out = decay_factor * x - momentum_coefficient * m``: ``x`` flat, ``momenta`` the
+        momentum buffers of the pieces ``out_views`` (views of ``out``) hold (None: none yet;
+        none given: the common part before the first outer step)."""
+        torch.mul(x, self.decay_factor, out=out)
         for view, momentum in zip(out_views, momenta):
             if momentum is not None:
                 view.sub_(momentum.to(view.dtype), alpha=self.momentum_coefficient)

@@ -308,10 +308,8 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
 
     def starts(handed: list[Params]) -> list[Params]:
         """Each replica's estimate of the outer step, from its own pseudo-gradient."""
-        out = []
+        out, c, y = [], unflat(copy_of_x, shapes), unflat(copy_of_y, shapes)
         for own, offset in zip(handed, offsets):
-            c = unflat(copy_of_x, shapes)
-            y = unflat(copy_of_y, shapes)
             start = {}
             for i, k in enumerate(names):
                 pseudo_grad = c[i] - own[k]

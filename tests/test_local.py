@@ -296,7 +296,7 @@ def test_one_process_is_diloco_with_one_replica() -> None:
     assert_params_close(result["params"], expected(1, 7, "adamw", sync_every=H, sync_delay=1, overlap="discard")[0])
 
 
-def mesh_rank(inner: str, steps: int, delay: int) -> dict:
+def mesh_rank(inner: str, steps: int, delay: int, overlap: str = "discard") -> dict:
     """mode="local" across mesh["replicate"], FSDP2 or tensor parallelism inside each replica
     group (R = S = 2): a replica is a group of 2 ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -307,7 +307,7 @@ def mesh_rank(inner: str, steps: int, delay: int) -> dict:
     model = build_inner(inner, mesh)
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=delay, overlap="discard", max_grad_norm=MAX_NORM, timeout=TIMEOUT, **FP32, **hp)
+                        sync_delay=delay, overlap=overlap, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **FP32, **hp)
     for t in range(steps):
         for i in range(2):
             loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
-from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
-from tests.reference import OPTIMIZERS, loss_fn, make_model, params_of
-from tests.test_local import H, MAX_NORM, build, consolidated_local, expected, inner_step, mesh_expected, resume_rank, run_rank
+from tests.helpers import assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
+from tests.reference import make_model, params_of
+from tests.test_local import H, build, consolidated_local, expected, inner_step, mesh_expected, mesh_rank, resume_rank, run_rank
 from tests.test_outer_bits import row_bytes, run_rank as bits_rank
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,31 +64,12 @@ def test_the_commit_is_the_outer_step_on_the_mean() -> None:
     assert_params_close(result["params"], blocking, rtol=1e-5, atol=1e-6)
 
 
-def mesh_rank(inner: str, steps: int, delay: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tests.test_mesh import build as build_inner, data_of, full_params
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = build_inner(inner, mesh)
-    cls, hp = OPTIMIZERS["adamw"]
-    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=delay, max_grad_norm=MAX_NORM, timeout=TIMEOUT, outer_bits=32, **ESTIMATE, **hp)
-    for t in range(steps):
-        for i in range(2):
-            loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
-            opt.accumulate()
-        opt.step()
-    opt.finish()
-    return {"params": full_params(model)}
-
-
 @pytest.mark.parametrize("inner,delay", [("fsdp", H), ("tp", 1)])
 def test_mesh_equals_the_recurrence_over_replica_groups(ranks, inner, delay) -> None:
     """FSDP2 or TP inside each replica group of a 2 x 2 mesh: the estimate is formed on each
     rank's local shards; equal to the recurrence with 2 replicas, identical on all 4 ranks."""
     steps = 8
-    results = ranks(4).run(mesh_rank, inner, steps, delay)
+    results = ranks(4).run(mesh_rank, inner, steps, delay, "estimate")
     assert_identical_across_ranks(results)
     assert_params_close(results[0]["params"], mesh_expected(inner, steps, delay, "estimate"), rtol=1e-4, atol=1e-5)
 
