@@ -24,6 +24,7 @@ the inner update; :class:`LocalClock` when rounds launch and land; :class:`Outer
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ from acco.collectives import Collectives
 from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor
-from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
+from acco.options import SPEED, LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, Weighting, base_hyperparams
 from acco.portable import full, per_param
 from acco.quantize import BlockCodec, RowBlocks
 from acco.rounds import LaneRound
@@ -44,7 +45,7 @@ from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
 from acco.telemetry import RoundStats
 
-__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner", "QuantizedLegs"]
+__all__ = ["HandOver", "InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner", "QuantizedLegs", "ReplicaReport"]
 
 
 class LocalLoop(Loop):
@@ -95,6 +96,13 @@ class LocalLoop(Loop):
         legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values, self.residuals)
         self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args(),
                                      common_terms=self.common_terms)
+        self.clock.replica, self.clock.replicas = self.lane_work.replica, self.lane_work.replicas
+        self.clock.plan = self.clock.first_plan()
+        if len(self.clock.plan) != self.clock.replicas:
+            raise ValueError(
+                f"Invalid pacing: {local.pacing!r} gives {len(self.clock.plan)} replicas' inner steps, and there are "
+                f"{self.clock.replicas} replicas (one entry per replica, in process-group order)"
+            )
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
 
     @staticmethod
@@ -110,6 +118,13 @@ class LocalLoop(Loop):
                 "step() between opt.eval() and opt.train(): the model holds the global values, not this replica's "
                 "parameters; call opt.train() before the next forward pass"
             )
+        if self.clock.peer_finished:
+            raise RuntimeError(
+                f"step() after replica(s) {self.clock.peer_finished} called finish(): the replicas take different numbers "
+                "of inner steps (pacing), so a loop must stop on opt.should_stop, which turned True on every replica "
+                "at the same outer round (opt.stop_after(steps=...) or opt.request_stop(); docs/loops.md, \"Replicas "
+                "of different speeds\"); call opt.finish() now"
+            )
         clock, weights, options = self.clock, self._schedule.take_round_weights(), self._parts.options
         try:
             with self._parts.folder.views_released():
@@ -120,7 +135,9 @@ class LocalLoop(Loop):
         self._counts.num_updates += int(updated)
         self._counts.skipped_updates += int(skipped)
         self._counts.committed_weight += weights.total() if updated else 0.0
+        clock.round_weight += weights.total() if updated else 0.0
         clock.inner_steps += 1
+        clock.round_steps += 1
         clock.unsynced = True
         if clock.lands_after(clock.inner_steps, self._round_done()):
             self._land()
@@ -128,6 +145,7 @@ class LocalLoop(Loop):
             self._launch()
             if not clock.options.overlaps:
                 self._land()
+        clock.check_budget()
         return updated
 
     def ready(self) -> bool:
@@ -144,10 +162,18 @@ class LocalLoop(Loop):
         """The round in flight lands, then one more (blocking) over the inner steps since,
         so every replica ends at the same, global parameters."""
         self.train(restore=True)  # a landing adds to this replica's parameters, not to eval()'s
+        clock = self.clock
         committed = self._schedule.in_flight is not None
         if committed:
             self._land()
-        if self.clock.unsynced:
+        if clock.peer_finished:  # their last round was the one just landed: end at its global values
+            for group, values in zip(self._groups, self.global_values):
+                group.load_params(values)
+            clock.unsynced = False
+        elif clock.unsynced or not clock.options.lockstep:
+            # Paced replicas cannot know whether the others hold steps no round has carried: the
+            # last round runs on every replica (those with none weigh nothing in it).
+            clock.finishing = True
             self._launch()
             self._land(discard=True)
             committed = True
@@ -172,7 +198,7 @@ class LocalLoop(Loop):
             else:
                 torch._foreach_copy_(clock.handed_over, params)
         round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
-                            buffer_snapshot=self._buffer_snapshot(), params=params)  # fmt: skip
+                            buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=clock.hand_over())  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
 
@@ -180,7 +206,11 @@ class LocalLoop(Loop):
         """Wait for the outer round in flight and give the replica the new global values, the
         progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
         clock, round_ = self.clock, self._schedule.take_in_flight()
+        started = time.perf_counter()
         stats = self._schedule.wait(round_)
+        clock.waited += time.perf_counter() - started
+        report = getattr(round_, "report", None)  # a replayed round has none: the saved one
+        clock.landed(report if report is not None else clock.flight_report)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         # "keep"'s landing leaves the start's offset from the new global values in handed_over.
@@ -248,8 +278,12 @@ class LocalLoop(Loop):
         # outer rounds, and the model's checkpoint is often rank 0's only (acco.checkpoint,
         # consolidate_state_dict). Its pending gradients too: they are this replica's, not a
         # share of a sum over ranks (pending_sums_across_ranks), so a consolidated state keeps them apart.
+        in_flight = self._schedule.in_flight
+        report = getattr(in_flight, "report", None) or self.clock.flight_report
+        report = None if report is None else report.as_dict()
         return {
             **self.clock.state_dict(),
+            "flight_report": report,
             "handed_over": handed,
             "inner": self.inner.state_dicts(),
             "live": [group.live_values() for group in self._groups],
@@ -267,7 +301,8 @@ class LocalLoop(Loop):
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """After the groups and the schedule: this replica's own part (``saved`` is this
         rank's, or on another number of replicas rank 0's: docs/checkpoints.md)."""
-        self.clock.load_state_dict(saved)
+        report = saved.get("flight_report")
+        self.clock.load_state_dict(saved, None if report is None else ReplicaReport.from_dict(report))
         if saved["handed_over"] is not None:
             self.clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
                                       for g, values in zip(self._groups, saved["handed_over"])]  # fmt: skip
@@ -333,9 +368,13 @@ class OuterRound(LaneRound):
     Attributes:
         params: per param group, this replica's parameters, flat in the round's buffer (the
             reduce-scatter input; the all-gather writes the new global values there).
+        hand_over: what this replica tells the others with them.
+        report: every replica's hand-over, once the comm lane has exchanged them.
     """
 
     params: list[Tensor]
+    hand_over: HandOver | None = None
+    report: ReplicaReport | None = None
 
 
 class OuterRunner(LaneWork):
@@ -378,6 +417,11 @@ class OuterRunner(LaneWork):
         # Who holds this rank's residual: its rank and the number of ranks of the whole mesh.
         self.place = [self._mesh_comm.rank, self._mesh_comm.world_size]
 
+    @property
+    def replica(self) -> int:
+        """This rank's replica: its rank among the replicas (in the outer round's group)."""
+        return self._comm.rank
+
     def run(self, round_: OuterRound) -> RoundStats:
         """One outer round.
 
@@ -390,29 +434,39 @@ class OuterRunner(LaneWork):
         stats.update_weight = float(self.replicas)
         try:
             with record.phase(stats, "totals"):
-                nonfinite = self._count_nonfinite(round_.params)
-            if nonfinite:
-                if self._options.nonfinite is NonFinite.RAISE:
-                    raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
+                nonfinite, round_.report = self._exchange(round_)
+            stats.replicas = round_.report
+            stats.global_weight = sum(round_.report.weights)
+            factors = round_.report.factors(self._options.local.outer_weighting)
+            if nonfinite and self._options.nonfinite is NonFinite.RAISE:
+                raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
+            if nonfinite or (factors is not None and not any(factors)):
+                # Nothing to merge (NaN/inf skipped, or no replica trained since its last round):
+                # the global values stay as they are.
+                stats.skipped = bool(nonfinite)
                 common_bytes = self._gather_common_terms(stats)
                 if self._legs is None:
-                    return self._skip(round_)
-                stats.skipped = True  # the unchanged master shards through the gather leg, as a replay sends them
-                stats.collective_bytes = self._quantized_gather(stats) + common_bytes
-                self._synchronise_buffers(round_)
+                    self._all_gather(stats, unchanged=True)
+                    self._synchronise_buffers(round_)
+                    stats.collective_bytes += common_bytes
+                else:  # the unchanged master shards through the gather leg, as a replay sends them
+                    stats.collective_bytes = self._quantized_gather(stats) + common_bytes
+                    self._synchronise_buffers(round_)
                 record.lane_end(stats)
                 return stats
             legs, sent = self._legs, 0
             with record.phase(stats, "reduce-scatter"):
                 for number, (group, params, snapshot) in enumerate(zip(self._groups, round_.params, self._snapshot)):
                     pseudo_grad = group.master_grad
-                    if legs is not None:  # the replicas' decoded pseudo-gradients, summed in fp32
-                        total, nbytes = legs.reduce(self._comm, group, number, params)
+                    if legs is not None:  # the replicas' decoded pseudo-gradients, weighed, summed in fp32
+                        total, nbytes = legs.reduce(self._comm, group, number, params, factors)
                         torch.div(total, float(self.replicas), out=pseudo_grad)
                         sent += nbytes
                         continue
+                    if factors is not None:  # this replica's share of the weighted mean
+                        params.mul_(factors[self.replica])
                     self._comm.reduce_scatter_sum(group.grad_shard, params)
-                    # The snapshot minus the replicas' mean.
+                    # The snapshot minus the replicas' (weighted) mean.
                     torch.div(group.grad_shard, float(self.replicas), out=pseudo_grad)
                     torch.sub(snapshot, pseudo_grad, out=pseudo_grad)
             with record.phase(stats, "update"):
@@ -432,6 +486,38 @@ class OuterRunner(LaneWork):
             raise self._failed(round_, error) from error
         record.lane_end(stats)
         return stats
+
+    # The exchange's entries per rank of the mesh: its replica, then its hand-over's fields.
+    _FIELDS = 6
+
+    def _exchange(self, round_: OuterRound) -> tuple[int, ReplicaReport]:
+        """One all-reduce over the mesh: how many ranks hand over NaN or inf, and every
+        replica's hand-over. Each rank writes its own entries (the others are 0, so the sum
+        is exact); a replica group's ranks report alike, but for its seconds per step, its
+        slowest rank's."""
+        own, ranks = round_.hand_over, self._mesh_comm.world_size
+        params = round_.params
+        flags = torch.zeros(1 + self._FIELDS * ranks, dtype=torch.float64, device=params[0].device)
+        start = 1 + self._FIELDS * self._mesh_comm.rank
+        flags[start : start + self._FIELDS] = torch.tensor(
+            [self.replica, own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
+        flags[0] = self._nonfinite_flag(params)
+        self._mesh_comm.all_reduce_sum_(flags)
+        values = self._device_hooks.host_copy(flags)(self._options.timeout.total_seconds()).tolist()
+        entries: dict[int, list[list[float]]] = {}
+        for rank in range(ranks):
+            entry = values[1 + self._FIELDS * rank : 1 + self._FIELDS * (rank + 1)]
+            entries.setdefault(int(entry[0]), []).append(entry[1:])
+        by_replica = [entries[replica] for replica in range(self.replicas)]
+        report = ReplicaReport(
+            steps=tuple(int(ranks_of[0][0]) for ranks_of in by_replica),
+            weights=tuple(ranks_of[0][1] for ranks_of in by_replica),
+            step_seconds=tuple(max(entry[2] for entry in ranks_of) for ranks_of in by_replica),
+            stop=tuple(any(entry[3] for entry in ranks_of) for ranks_of in by_replica),
+            finishing=tuple(any(entry[4] for entry in ranks_of) for ranks_of in by_replica),
+        )
+        nonfinite = self._confirm_nonfinite(params) if values[0] else 0
+        return nonfinite, report
 
     def _gather_common_terms(self, stats: RoundStats) -> int:
         """``overlap="estimate"``: each owner's common part of the outer step (from its master
@@ -473,14 +559,6 @@ class OuterRunner(LaneWork):
                 received += self._legs.gather(self._comm, group, number, snapshot, self._legs.copies(number), group.gathered)
         return received
 
-    def _count_nonfinite(self, params: Sequence[Tensor]) -> int:
-        """How many ranks hand over NaN or inf (0 on every rank when none does)."""
-        flag = self._nonfinite_flag(params).reshape(1)
-        self._mesh_comm.all_reduce_sum_(flag)
-        if not self._device_hooks.host_copy(flag)(self._options.timeout.total_seconds()).item():
-            return 0
-        return self._confirm_nonfinite(params)
-
 
 class QuantizedLegs:
     """An outer round's two legs below 32 bits (``outer_bits``; docs/design.md, "Lighter
@@ -512,9 +590,12 @@ class QuantizedLegs:
         self._residuals = residuals
         self._rows: dict[int, list[RowBlocks]] = {}  # per param group: each rank's row
 
-    def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor) -> tuple[Tensor, int]:
+    def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor,
+               factors: Sequence[float] | None = None) -> tuple[Tensor, int]:
         """The sum over ranks of the decoded pseudo-gradients of this rank's chunk (fp32, a
-        new tensor), and the bytes this rank sent (one row per rank, its own included)."""
+        new tensor), each times its replica's factor (``factors``; None: once each), and the
+        bytes this rank sent (one row per rank, its own included). The residual stays in
+        unweighted units: what was sent is weighed only once decoded."""
         codec, rows, plan = self._codec, self._rows_of(group, number), group.plan
         copies = self._global_values[number].view(plan.world_size, plan.chunk)
         handed = params.view(plan.world_size, plan.chunk)
@@ -537,8 +618,11 @@ class QuantizedLegs:
         comm.all_to_all(received, encoded)
         own = rows[group.rank]
         total = torch.zeros(group.plan.chunk, dtype=torch.float32, device=params.device)
-        for row in received:
-            total.add_(codec.decode(row, own))
+        for source, row in enumerate(received):
+            if factors is None:
+                total.add_(codec.decode(row, own))
+            elif factors[source]:
+                total.add_(codec.decode(row, own), alpha=factors[source])
         return total, encoded.nbytes
 
     def copies(self, number: int) -> Tensor:
@@ -664,14 +748,82 @@ class InnerSteps:
             optimizer.load_state_dict(state)
 
 
-@dataclass
-class LocalClock:
-    """When outer rounds launch and land, counted in inner steps (the same on every rank:
-    every rank calls ``step()`` once per inner step, update or not).
+@dataclass(frozen=True)
+class HandOver:
+    """What a replica tells the others with its parameters at an outer round's launch.
 
     Attributes:
-        options: ``sync_every``, ``sync_delay``, ``overlap``.
+        steps: inner steps it took since its last hand-over.
+        weight: the ``accumulate()`` weights of those steps' updates (its tokens, or
+            micro-batches by default): its pseudo-gradient's weight in the mean.
+        step_seconds: its seconds per inner step over them, the time ``step()`` waited for a
+            round left out (0: not measured).
+        stop: it asks every replica to stop (``request_stop()``) at this round.
+        finishing: the round is its last (``finish()``).
+    """
+
+    steps: int
+    weight: float
+    step_seconds: float
+    stop: bool = False
+    finishing: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """Every replica's :class:`HandOver` for one outer round, by replica (the same on every
+    rank: it travels in the round's first, small all-reduce)."""
+
+    steps: tuple[int, ...]
+    weights: tuple[float, ...]
+    step_seconds: tuple[float, ...]
+    stop: tuple[bool, ...]
+    finishing: tuple[bool, ...]
+
+    def factors(self, weighting: Weighting) -> list[float] | None:
+        """Each replica's pseudo-gradient's factor in the mean over replicas (they sum to the
+        number of replicas); None: every replica counts once, as equal weights give."""
+        count = len(self.weights)
+        if weighting is Weighting.EQUAL or len(set(self.weights)) == 1 and len(set(self.steps)) == 1:
+            return None
+        total = sum(self.weights)
+        if total == 0:
+            return [0.0] * count
+        shares = [weight / total for weight in self.weights]
+        if weighting is Weighting.TOKENS:
+            return [count * share for share in shares]
+        # NORMALIZED (FedNova): sum_r p_r (Delta_r / tau_r) times tau_eff = sum_r p_r tau_r.
+        effective = sum(share * steps for share, steps in zip(shares, self.steps))
+        return [count * share * effective / steps if steps else 0.0 for share, steps in zip(shares, self.steps)]
+
+    def as_dict(self) -> dict[str, list]:
+        return {"steps": list(self.steps), "weights": list(self.weights), "step_seconds": list(self.step_seconds),
+                "stop": list(self.stop), "finishing": list(self.finishing)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, list]) -> ReplicaReport:
+        return cls(*(tuple(saved[name]) for name in ("steps", "weights", "step_seconds", "stop", "finishing")))
+
+
+@dataclass
+class LocalClock:
+    """When outer rounds launch and land, counted in this replica's inner steps, and how
+    many each replica takes per round (``pacing``).
+
+    With ``pacing="lockstep"`` (or a schedule giving every replica the same count) every
+    replica launches every ``sync_every`` steps, the same on every rank. Otherwise replica r
+    launches after ``plan[r]`` steps: from its schedule, or, with ``"speed"``, from the last
+    landed round's report (every replica's seconds per step): the fastest ``sync_every``, the
+    others in proportion to their speed, so a round takes about the same time on each. Every
+    rank computes the same plan from the same report.
+
+    Attributes:
+        options: ``sync_every``, ``sync_delay``, ``overlap``, ``pacing``.
+        replica / replicas: this replica's number and how many there are.
+        plan: each replica's inner steps in the current round.
         inner_steps: ``step()`` calls so far.
+        round_steps / round_weight: the inner steps since the last launch, and the weights of
+            their updates (what the next hand-over reports).
         launched_at: the inner step the round in flight was launched after (None: none).
         unsynced: the live parameters hold progress that no outer round has carried yet.
         outer_rounds / skipped_outer_rounds: landed outer rounds, and those that changed
@@ -681,29 +833,135 @@ class LocalClock:
             then holds that start's offset from the new global values.
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay: what the landing subtracts), or None.
+        stop_requested / should_stop: this replica asks to stop at its next launch; some
+            replica asked, in a round that has landed (the same round on every replica).
+        finishing / peer_finished: this replica's next launch is its last (``finish()``);
+            the replicas that ended with a round this one landed as a regular one.
+        last_report: the report of the last landed round (None before the first).
+        flight_report: the round in flight's report when a checkpoint saved it (a replayed
+            round has none of its own).
+        stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps; a deadline on
+            ``time.perf_counter()``), None: none.
     """
 
     options: LocalOptions
+    replica: int = 0
+    replicas: int = 1
+    plan: list[int] = field(default_factory=list)
     inner_steps: int = 0
+    round_steps: int = 0
+    round_weight: float = 0.0
     launched_at: int | None = None
     unsynced: bool = False
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
     offset_steps: int = 0
+    stop_requested: bool = False
+    should_stop: bool = False
+    finishing: bool = False
+    peer_finished: list[int] = field(default_factory=list)
+    last_report: ReplicaReport | None = None
+    flight_report: ReplicaReport | None = None
+    stop_steps: int | None = None
+    stop_seconds: float | None = None
+    # Wall-clock measurement (not saved): since the last launch, and the waits for a round in it.
+    busy_since: float = field(default_factory=time.perf_counter)
+    waited: float = 0.0
+    round_wall: float = 0.0  # the last launch-to-launch time
+
+    def __post_init__(self) -> None:
+        if not self.plan:
+            self.plan = self.first_plan()
+
+    def first_plan(self) -> list[int]:
+        pacing = self.options.pacing
+        return list(pacing) if isinstance(pacing, tuple) else [self.options.sync_every] * self.replicas
+
+    @property
+    def target(self) -> int:
+        """This replica's inner steps in the current round."""
+        return self.plan[self.replica] if self.replica < len(self.plan) else self.options.sync_every
 
     def lands_after(self, steps: int, done: bool) -> bool:
         """Whether the round in flight lands once ``steps`` inner steps are done (``done``:
-        the comm lane has finished it, which lands it there with ``sync_delay="auto"``)."""
+        the comm lane has finished it, which lands it there with ``sync_delay="auto"``, at
+        the latest at this replica's next launch)."""
         if self.launched_at is None:
             return False
         since = steps - self.launched_at
         if self.options.auto_delay:
-            return since > 0 and (done or since >= self.options.sync_every)
+            return since > 0 and (done or since >= self.target)
         return since >= self.options.sync_delay
 
     def launches_now(self) -> bool:
-        return self.inner_steps % self.options.sync_every == 0
+        if self.options.lockstep:
+            return self.inner_steps % self.options.sync_every == 0
+        return self.round_steps >= self.target
+
+    def steps_to_launch(self) -> int:
+        """Inner steps this replica takes before its next launch (the current round's)."""
+        if self.options.lockstep:
+            return self.options.sync_every - self.inner_steps % self.options.sync_every
+        return max(self.target - self.round_steps, 0)
+
+    def hand_over(self) -> HandOver:
+        """What the launch now tells the others; the round's counters start again."""
+        now = time.perf_counter()
+        busy = now - self.busy_since - self.waited
+        seconds = busy / self.round_steps if self.round_steps else 0.0
+        report = HandOver(self.round_steps, self.round_weight, seconds, self.stop_requested, self.finishing)
+        self.round_wall, self.busy_since, self.waited = now - self.busy_since, now, 0.0
+        self.round_steps, self.round_weight = 0, 0.0
+        return report
+
+    def landed(self, report: ReplicaReport | None) -> None:
+        """A round landed with ``report``: the stop agreed, the next plan."""
+        self.flight_report = None
+        if report is None:
+            return
+        self.last_report = report
+        if any(report.stop):
+            self.should_stop = True
+        if any(report.finishing) and not self.finishing:
+            self.should_stop = True
+            self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
+        if self.options.pacing == SPEED:
+            self.plan = self.speed_plan(report)
+
+    def speed_plan(self, report: ReplicaReport) -> list[int]:
+        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``
+        (at least the delay a round lands after); the plan as it was while any replica's
+        speed is unmeasured."""
+        seconds = report.step_seconds
+        if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
+            return self.plan
+        every, delay = self.options.sync_every, self.options.sync_delay
+        least = max(1, delay) if isinstance(delay, int) else 1
+        fastest = min(seconds)
+        return [min(every, max(least, math.floor(every * fastest / s + 0.5))) for s in seconds]
+
+    def stop_after(self, steps: int | None, seconds: float | None) -> None:
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"Invalid steps: {steps!r} (an int >= 1: inner steps of the fastest replica)")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0):
+            raise ValueError(f"Invalid seconds: {seconds!r} (a number > 0)")
+        self.stop_steps = steps
+        self.stop_seconds = None if seconds is None else time.perf_counter() + float(seconds)
+
+    def check_budget(self) -> None:
+        """``stop_after()``: ask to stop at the next launch once the round after it would
+        end past the budget (the plan's steps, or the last round's time, as the measure)."""
+        if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
+            return
+        ahead = self.steps_to_launch()
+        if self.stop_steps is not None and self.inner_steps + ahead + self.options.sync_every > self.stop_steps:
+            self.stop_requested = True
+        if self.stop_seconds is not None and self.round_steps + ahead:
+            now = time.perf_counter()
+            per_step = (now - self.busy_since - self.waited) / self.round_steps if self.round_steps else 0.0
+            if now + ahead * per_step + self.round_wall > self.stop_seconds:
+                self.stop_requested = True
 
     @property
     def keeps_progress(self) -> bool:
@@ -717,7 +975,8 @@ class LocalClock:
         return self.options.overlap is Overlap.ESTIMATE and self.options.overlaps
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters (``handed_over`` is the optimizer's to save, per parameter)."""
+        """The counters, the plan and the stop (``handed_over`` is the optimizer's to save, per
+        parameter); the round in flight's report if it has one."""
         return {
             "inner_steps": self.inner_steps,
             "launched_at": self.launched_at,
@@ -725,10 +984,27 @@ class LocalClock:
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
             "offset_steps": self.offset_steps,
+            "plan": list(self.plan),
+            "hand_over_steps": self.round_steps,
+            "hand_over_weight": self.round_weight,
+            "stop_requested": self.stop_requested,
+            "should_stop": self.should_stop,
+            "stop_steps": self.stop_steps,
         }
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: dict[str, Any], flight_report: ReplicaReport | None = None) -> None:
+        """A state saved at another number of replicas restarts the plan (``first_plan``)."""
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
         self.offset_steps = int(saved.get("offset_steps", 0))
+        plan = saved.get("plan")
+        self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()
+        every = self.options.sync_every
+        self.round_steps = int(saved.get("hand_over_steps", self.inner_steps % every if self.launched_at is None else
+                                         self.inner_steps - self.launched_at))  # fmt: skip
+        self.round_weight = float(saved.get("hand_over_weight", 0.0))
+        self.stop_requested, self.should_stop = bool(saved.get("stop_requested")), bool(saved.get("should_stop"))
+        self.stop_steps = saved.get("stop_steps")
+        self.flight_report = flight_report
+        self.busy_since, self.waited = time.perf_counter(), 0.0

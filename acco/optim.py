@@ -18,7 +18,7 @@ import datetime
 import functools
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,8 @@ from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
     DEFAULT_OUTER_BITS,
     DEFAULT_OUTER_ERROR_FEEDBACK,
+    DEFAULT_OUTER_WEIGHTING,
+    DEFAULT_PACING,
     DEFAULT_SYNC_DELAY,
     DEFAULT_SYNC_EVERY,
     DEFAULT_TIMEOUT,
@@ -179,6 +181,16 @@ class AccoOptimizer(torch.optim.Optimizer):
             global values; the default with any other outer optimizer).
         outer_bits / outer_error_feedback: ``local`` only: bits per value an outer round sends (4, the
             default; 8, 16, 32), and below 16 whether what it drops goes with the next (default True).
+        pacing: ``local`` only: how many inner steps each replica takes per outer round:
+            ``"speed"`` (default: in proportion to its measured speed, the fastest
+            ``sync_every``, so no replica waits for another), ``"lockstep"`` (``sync_every``
+            each: every replica waits for the slowest), or a list of ints, one per replica
+            (reproducible). Replicas that take different numbers stop together on
+            ``should_stop`` (``stop_after()``, ``request_stop()``).
+        outer_weighting: ``local`` only: each replica's pseudo-gradient's weight in the outer
+            round's mean: ``"tokens"`` (default: the ``accumulate()`` weights it trained on since
+            its last hand-over), ``"equal"`` (once each) or ``"normalized"`` (FedNova: each over
+            its inner steps, times their weighted mean).
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -228,6 +240,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         overlap: str | None = None,
         outer_bits: int = DEFAULT_OUTER_BITS,
         outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK,
+        pacing: str | Sequence[int] = DEFAULT_PACING,
+        outer_weighting: str = DEFAULT_OUTER_WEIGHTING,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -236,7 +250,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             mode=mode, nonfinite=nonfinite, layout=layout, max_grad_norm=max_grad_norm, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
-            outer_bits=outer_bits, outer_error_feedback=outer_error_feedback)  # fmt: skip
+            outer_bits=outer_bits, outer_error_feedback=outer_error_feedback, pacing=pacing,
+            outer_weighting=outer_weighting)  # fmt: skip
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)
@@ -430,6 +445,49 @@ class AccoOptimizer(torch.optim.Optimizer):
         """``mode="local"``: landed outer rounds that changed nothing (NaN/inf in some replica's
         parameters with ``nonfinite="skip"``)."""
         return self._loop.skipped_outer_rounds
+
+    def request_stop(self) -> None:
+        """``mode="local"``: ask every replica to stop. The request travels with this replica's
+        next outer round; once that round has landed :attr:`should_stop` is True on every
+        replica (the same round on each). Not collective.
+
+        Raises:
+            RuntimeError: another mode (every rank takes the same updates: stop at a count).
+        """
+        self._local_clock("request_stop()").stop_requested = True
+
+    def stop_after(self, steps: int | None = None, seconds: float | None = None) -> None:
+        """``mode="local"``: a budget this replica enforces with :meth:`request_stop`: it asks
+        at the launch after which one more round would take it past ``steps`` inner steps
+        (counted as the fastest replica's, ``sync_every`` a round) or past ``seconds`` from now
+        (the last round's time as the measure). With ``pacing="lockstep"`` and ``steps`` a
+        multiple of ``sync_every`` every replica stops after exactly ``steps``. Loop on
+        ``while not opt.should_stop``; every replica may call it, with its own budget.
+
+        Raises:
+            RuntimeError: another mode. ValueError: a budget that is not positive.
+        """
+        self._local_clock("stop_after()").stop_after(steps, seconds)
+
+    @property
+    def should_stop(self) -> bool:
+        """``mode="local"``: some replica asked to stop (or finished) in an outer round that has
+        landed: True on every replica from the same round on (False in other modes)."""
+        return self.mode is Mode.LOCAL and self._loop.clock.should_stop
+
+    @property
+    def replica_steps(self) -> list[int]:
+        """``mode="local"``: each replica's inner steps in the current outer round (``pacing``),
+        by replica; empty in other modes."""
+        return list(self._loop.clock.plan) if self.mode is Mode.LOCAL else []
+
+    def _local_clock(self, verb: str) -> Any:
+        if self.mode is not Mode.LOCAL:
+            raise RuntimeError(
+                f"{verb}: mode='local' only (in mode={self.mode.value!r} every rank takes the same updates: stop at an "
+                "update count)"
+            )
+        return self._loop.clock
 
     def global_parameters(self) -> list[list[Tensor]]:
         """``mode="local"``: copies of the global values the last outer round landed (the

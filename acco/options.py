@@ -24,7 +24,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "LOCKSTEP", "SPEED", "Weighting", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -65,6 +65,17 @@ class Overlap(str, enum.Enum):
     # Kept, and taken from an estimate: at the launch each replica moves to the outer step its own
     # pseudo-gradient would give (acco.outer_step); the landing corrects that start to the real one.
     ESTIMATE = "estimate"
+
+
+class Weighting(str, enum.Enum):
+    """mode="local": how an outer round weighs each replica's pseudo-gradient in the mean
+    (docs/design.md, "Replicas of different speeds")."""
+
+    TOKENS = "tokens"  # by the accumulate() weights it trained on since its last hand-over
+    EQUAL = "equal"  # each replica once, whatever it trained on (torchft's DiLoCo)
+    # FedNova's normalisation: each pseudo-gradient over its inner steps, the mean times the
+    # weighted mean of the steps (a replica's step count no longer scales its share).
+    NORMALIZED = "normalized"
 
 
 # Optimizers whose update of an element depends only on that element's own gradient and
@@ -120,6 +131,12 @@ DEFAULT_OVERLAP = "estimate"
 # sent later.
 DEFAULT_OUTER_BITS = 4
 DEFAULT_OUTER_ERROR_FEEDBACK = True
+# How many inner steps each replica takes per outer round (docs/loops.md, "Replicas of different
+# speeds"): "speed" in proportion to its measured speed, the fastest sync_every, so that no replica
+# waits for another; "lockstep" sync_every each; or a fixed number per replica (reproducible).
+SPEED, LOCKSTEP = "speed", "lockstep"
+DEFAULT_PACING = SPEED
+DEFAULT_OUTER_WEIGHTING = "tokens"
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,8 @@ class LocalOptions:
             resolved), or ``"auto"``.
         estimate: with ``overlap="estimate"``, the outer step split into its common part and
             the part linear in the pseudo-gradient (None otherwise).
+        pacing: ``"speed"``, ``"lockstep"``, or each replica's inner steps per round (a tuple).
+        outer_weighting: how each replica's pseudo-gradient counts in the outer round's mean.
     """
 
     sync_every: int
@@ -141,6 +160,8 @@ class LocalOptions:
     outer_bits: int = DEFAULT_OUTER_BITS
     outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK
     estimate: LinearOuterStep | None = None
+    pacing: str | tuple[int, ...] = DEFAULT_PACING
+    outer_weighting: Weighting = Weighting.TOKENS
 
     @property
     def error_feedback(self) -> bool:
@@ -157,9 +178,16 @@ class LocalOptions:
         """Inner steps may run while a round is in flight (every ``sync_delay`` but 0)."""
         return self.sync_delay != 0
 
+    @property
+    def lockstep(self) -> bool:
+        """Every replica takes ``sync_every`` inner steps per round (``"lockstep"``, or a
+        schedule giving each replica the same number, which is then ``sync_every``)."""
+        return self.pacing == LOCKSTEP or (isinstance(self.pacing, tuple) and len(set(self.pacing)) == 1)
+
     @classmethod
     def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any,
               outer_bits: Any = DEFAULT_OUTER_BITS, outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
+              pacing: Any = DEFAULT_PACING, outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
               ) -> LocalOptions | None:  # fmt: skip
         """The options of ``mode="local"`` (None in another mode, where passing any of them
         other than at its default is a ``ValueError``); ``ValueError`` / ``TypeError`` naming
@@ -167,7 +195,8 @@ class LocalOptions:
         defaults = (("sync_every", sync_every, DEFAULT_SYNC_EVERY), ("sync_delay", sync_delay, DEFAULT_SYNC_DELAY),
                     ("overlap", overlap, DEFAULT_OVERLAP), ("outer_optimizer", outer_optimizer, None),
                     ("outer_bits", outer_bits, DEFAULT_OUTER_BITS),
-                    ("outer_error_feedback", outer_error_feedback, DEFAULT_OUTER_ERROR_FEEDBACK))  # fmt: skip
+                    ("outer_error_feedback", outer_error_feedback, DEFAULT_OUTER_ERROR_FEEDBACK),
+                    ("pacing", pacing, DEFAULT_PACING), ("outer_weighting", outer_weighting, DEFAULT_OUTER_WEIGHTING))  # fmt: skip
         if mode is not Mode.LOCAL:
             given = [f"{name}={value!r}" for name, value, default in defaults if value is not None and value != default]
             if given:
@@ -219,7 +248,28 @@ class LocalOptions:
             )
         if not isinstance(outer_error_feedback, bool):
             raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
-        return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate)
+        paced = _check_pacing(DEFAULT_PACING if pacing is None else pacing, every, delay)
+        weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
+                               "outer_weighting")  # fmt: skip
+        return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
+                   weighting)  # fmt: skip
+
+
+def _check_pacing(pacing: Any, sync_every: int, sync_delay: int | str) -> str | tuple[int, ...]:
+    """``"speed"``, ``"lockstep"`` or a tuple of inner steps per replica (each in
+    ``[max(1, sync_delay), sync_every]``: a round lands by its replica's next launch)."""
+    if pacing in (SPEED, LOCKSTEP):
+        return pacing
+    least = max(1, sync_delay) if isinstance(sync_delay, int) else 1
+    if isinstance(pacing, (list, tuple)) and pacing and all(
+            isinstance(s, int) and not isinstance(s, bool) and least <= s <= sync_every for s in pacing):  # fmt: skip
+        if max(pacing) != sync_every:
+            raise ValueError(f"Invalid pacing: {pacing!r} (the fastest replica takes sync_every={sync_every} steps)")
+        return tuple(pacing)
+    raise ValueError(
+        f"Invalid pacing: {pacing!r} (\"speed\", \"lockstep\", or each replica's inner steps per outer round: a list "
+        f"of ints in [{least}, sync_every={sync_every}], one per replica)"
+    )
 
 
 @dataclass(frozen=True)
@@ -257,6 +307,8 @@ class Options:
         outer_optimizer: Any = None,
         outer_bits: Any = DEFAULT_OUTER_BITS,
         outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
+        pacing: Any = DEFAULT_PACING,
+        outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
         is checked, not kept)."""
@@ -275,7 +327,7 @@ class Options:
                 f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
             )
         local = LocalOptions.check(checked_mode, sync_every, sync_delay, overlap, outer_optimizer, outer_bits,
-                                   outer_error_feedback)  # fmt: skip
+                                   outer_error_feedback, pacing, outer_weighting)  # fmt: skip
         if local is not None:
             for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
                 if dtype is not None:
@@ -299,7 +351,8 @@ class Options:
     def fingerprint(self) -> str:
         """What every rank must have chosen alike, as text (checked at start-up)."""
         local = self.local and (self.local.sync_every, self.local.sync_delay, self.local.overlap.value,
-                                self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback)  # fmt: skip
+                                self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback,
+                                self.local.pacing, self.local.outer_weighting.value)  # fmt: skip
         return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])
 
     @property

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 from torch.profiler import record_function
@@ -64,6 +65,8 @@ class RoundStats:
             round, whose quantised payload is smaller, and for a skipped or replayed one).
         replayed: the round was re-created by ``load_state_dict()`` from a checkpoint's
             round in flight: it only all-gathers its saved result again.
+        replicas: an outer round's report of every replica's hand-over (inner steps, tokens,
+            seconds per step, stop requests: :class:`acco.local.ReplicaReport`); None otherwise.
         phase: the lane phase the round is in (or failed in); ``"queued"`` before it starts.
     """
 
@@ -84,6 +87,7 @@ class RoundStats:
     grad_norm: float = math.nan
     skipped: bool = False
     replayed: bool = False
+    replicas: Any = None
     phase: str = "queued"
     collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().

@@ -241,18 +241,24 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
 def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
                     sync_every: int, sync_delay: int, overlap: str = "estimate", max_norm: float | None = None,
                     outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None, outer_bits: int = 32,
-                    error_feedback: bool = True) -> list[Params]:
+                    error_feedback: bool = True, weighting: str = "tokens", paced: bool = False) -> list[Params]:
     """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
 
-    ``steps[t][m]``: replica m's micro-batches of inner step t. Replica m starts from ``init``
-    with its own inner optimizer; after its update of step t (1-based count t + 1 = n):
+    ``steps[t][m]``: replica m's micro-batches of inner step t, or None: replica m takes no
+    step there (a paced replica that took its round's steps; ``sync_delay`` 0 only). Replica m
+    starts from ``init`` with its own inner optimizer; after its update of step t (1-based
+    count t + 1 = n):
     - a round launched at step n0 lands when n - n0 >= sync_delay: theta_m = x (+ theta_m -
       handed_m with overlap "keep" and sync_delay > 0);
-    - when n % sync_every == 0: handed_m = theta_m; x = OuterOpt(x, x - mean_m theta_m) (the
-      outer optimizer on a whole copy of x, with the library's default Nesterov SGD); with
-      sync_delay 0 it lands at once.
+    - when n % sync_every == 0: handed_m = theta_m; x = OuterOpt(x, x - sum_m f_m theta_m / R)
+      (the outer optimizer on a whole copy of x, with the library's default Nesterov SGD); with
+      sync_delay 0 it lands at once. f_m (docs/design.md, "Replicas of different speeds"):
+      with n_m the weights replica m's steps since its last hand-over trained on and N their
+      sum, f_m = R n_m / N ("tokens"), 1 ("equal", or every n_m and step count equal), or
+      R (n_m / N) tau / tau_m with tau_m its steps and tau = sum_m (n_m / N) tau_m
+      ("normalized", FedNova). With N = 0 the round leaves x as it is.
     At the end a round in flight lands, then a last one (landing without "keep") over any
-    inner step since, so every replica ends at x.
+    inner step since (``paced``: always), so every replica ends at x.
 
     ``overlap="estimate"`` (sync_delay > 0; docs/design.md, "The estimate rule") lands as
     "keep" does, and at the launch each replica moves to its start
@@ -319,9 +325,28 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
             out.append(start)
         return out
 
+    since = [[0.0, 0] for _ in replicas]  # per replica: weights and steps since its hand-over
+
+    def factors() -> list[float] | None:
+        weights, counts = [w for w, _ in since], [c for _, c in since]
+        for entry in since:
+            entry[0], entry[1] = 0.0, 0
+        if weighting == "equal" or (len(set(weights)) == 1 and len(set(counts)) == 1):
+            return None
+        total = sum(weights)
+        if total == 0:
+            return [0.0] * len(weights)
+        shares = [w / total for w in weights]
+        if weighting == "tokens":
+            return [len(weights) * p for p in shares]
+        tau = sum(p * c for p, c in zip(shares, counts))
+        return [len(weights) * p * tau / c if c else 0.0 for p, c in zip(shares, counts)]
+
     def launch(n: int, start: bool = True) -> tuple[int, Params, list[Params]]:
         nonlocal copy_of_x, copy_of_y
         handed = [ref.params() for ref in replicas]
+        f = factors()
+        merges = f is None or any(f)
         flight_from = handed
         if estimates and start:  # from the last landed round's x and y
             flight_from = starts(handed)
@@ -330,8 +355,10 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         if outer_bits == 32:
             with torch.no_grad():
                 for i, name in enumerate(names):
-                    x[i].grad = x[i].detach() - torch.stack([h[name] for h in handed]).mean(0)
-            outer_opt.step()
+                    thetas = [h[name] if f is None else f[m] * h[name] for m, h in enumerate(handed)]
+                    x[i].grad = x[i].detach() - torch.stack(thetas).sum(0) / rows
+            if merges:
+                outer_opt.step()
             copy_of_x = flat([p.detach() for p in x], rows * chunk)
             copy_of_y = common_part()
             return n, {name: x[i].detach().clone() for i, name in enumerate(names)}, flight_from
@@ -341,10 +368,11 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
             sent = quantised(payload, outer_bits, sizes, chunk)
             if error_feedback and outer_bits < 16:
                 residuals[m] = payload - sent
-            total += sent
+            total += sent if f is None else f[m] * sent
         for i, grad in enumerate(unflat(total / rows, shapes)):
             x[i].grad = grad
-        outer_opt.step()
+        if merges:
+            outer_opt.step()
         update = flat([p.detach() for p in x], rows * chunk) - copy_of_x
         copy_of_x = copy_of_x + quantised(update, outer_bits, sizes, chunk)
         copy_of_y = copy_of_y + quantised(common_part() - copy_of_y, outer_bits, sizes, chunk)
@@ -362,9 +390,13 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     keeps = overlap in ("keep", "estimate") and sync_delay > 0
     n = 0
     for step_data in steps:
-        for ref, data in zip(replicas, step_data):
+        for ref, data, entry in zip(replicas, step_data, since):
+            if data is None:
+                continue
             grad, weight = ref.weighted_grad_sum(ref.params(), data)
             ref.apply(_scale(grad, weight))
+            entry[0] += weight
+            entry[1] += 1
         n += 1
         unsynced = True
         if in_flight is not None and n - in_flight[0] >= sync_delay:
@@ -375,6 +407,6 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
                 unsynced, in_flight = land(in_flight, keeps), None
     if in_flight is not None:
         unsynced = land(in_flight, keeps)
-    if unsynced:
+    if unsynced or paced:
         land(launch(n, start=False), False)
     return [ref.params() for ref in replicas]

@@ -249,7 +249,7 @@ def resume_then_accumulate_while_waiting(output_dir: str) -> dict:
             "extra": logged(waiting, "acco_extra_micro_batches"), "hidden": logged(waiting, "acco_hidden_share")}
 
 
-LOCAL_KWARGS = {"sync_every": 2, "sync_delay": 1, "overlap": "estimate"}  # a round launched after every even step lands one step later
+LOCAL_KWARGS = {"sync_every": 2, "sync_delay": 1, "overlap": "estimate", "pacing": "lockstep"}  # a round launched after every even step lands one step later
 
 
 def counting_examples(count: int = 64, seed: int = 2) -> list[dict[str, torch.Tensor]]:

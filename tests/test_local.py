@@ -39,7 +39,10 @@ def step_data(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, fl
 
 
 def build(model: torch.nn.Module, optimizer: str, **options) -> AccoOptimizer:
+    """The tests held to a recurrence run replicas in lockstep unless they say otherwise: the
+    default pacing follows measured speeds (tests/test_replicas.py)."""
     cls, hp = OPTIMIZERS[optimizer]
+    options.setdefault("pacing", "lockstep")
     return AccoOptimizer(model, cls, mode="local", timeout=TIMEOUT, max_grad_norm=MAX_NORM, **options, **hp)
 
 
@@ -307,7 +310,8 @@ def mesh_rank(inner: str, steps: int, delay: int, overlap: str = "discard") -> d
     model = build_inner(inner, mesh)
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=delay, overlap=overlap, max_grad_norm=MAX_NORM, timeout=TIMEOUT, **FP32, **hp)
+                        sync_delay=delay, overlap=overlap, max_grad_norm=MAX_NORM, timeout=TIMEOUT, pacing="lockstep",
+                        **FP32, **hp)
     for t in range(steps):
         for i in range(2):
             loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()

@@ -130,7 +130,7 @@ def mesh_rank(inner: str, bits: int) -> dict:
     model = build_inner(inner, mesh)
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=H,
-                        sync_delay=1, max_grad_norm=MAX_NORM, timeout=TIMEOUT, outer_bits=bits, **hp)
+                        sync_delay=1, max_grad_norm=MAX_NORM, timeout=TIMEOUT, outer_bits=bits, pacing="lockstep", **hp)
     for t in range(7):
         for i in range(2):
             loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
