@@ -476,6 +476,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         return self.mode is Mode.LOCAL and self._loop.clock.should_stop
 
     @property
+    def replica(self) -> int:
+        """``mode="local"``: this rank's replica, numbered as in :attr:`replica_steps` and in
+        each outer round's ``RoundStats.replicas`` (its rank among the replicas); 0 in other
+        modes."""
+        return self._loop.clock.replica if self.mode is Mode.LOCAL else 0
+
+    @property
     def replica_steps(self) -> list[int]:
         """``mode="local"``: each replica's inner steps in the current outer round (``pacing``),
         by replica; empty in other modes."""

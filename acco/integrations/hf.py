@@ -92,7 +92,8 @@ ACCO_CHECKPOINT_DIR = "acco"  # inside each Trainer checkpoint: acco's sharded o
 _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look for it find it
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
 # mode="local"'s own arguments.
-_LOCAL_KWARGS = ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits", "outer_error_feedback")
+_LOCAL_KWARGS = ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits", "outer_error_feedback", "pacing",
+                 "outer_weighting")
 _ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers", *_LOCAL_KWARGS)
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
@@ -548,6 +549,11 @@ class AccoTrainer(Trainer):
             out["acco_outer_rounds"] = float(acco.outer_rounds)
             out["acco_skipped_outer_rounds"] = float(acco.skipped_outer_rounds)
             out["acco_outer_bytes"] = float(sum(s.collective_bytes for s in rounds if s.kind is RoundKind.OUTER))
+            reports = [s.replicas for s in rounds if s.replicas is not None]
+            if reports:  # this replica's inner steps and tokens per round, and its wait for the rounds
+                own = acco.replica
+                out["acco_inner_steps_per_round"] = statistics.fmean(r.steps[own] for r in reports)
+                out["acco_tokens_per_round"] = statistics.fmean(r.weights[own] for r in reports)
         if self.acco_accumulate_while_waiting:
             out["acco_extra_micro_batches"] = float(self._extra_micro_batches)
         # The Trainer's own grad_norm is of p.grad, which accumulate() consumed: report acco's.
@@ -614,8 +620,16 @@ class _CommittedParameters(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.training_over = False
         self.trainer._train_dataloader = kwargs.get("train_dataloader")
+        acco = self.trainer.acco_optimizer
+        if acco is not None and acco.mode is Mode.LOCAL and not acco.options.local.lockstep:
+            # Paced replicas take different step counts: every one stops at the outer round after
+            # which the fastest could not take another within max_steps (docs/hf.md).
+            acco.stop_after(steps=state.max_steps)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        acco = self.trainer.acco_optimizer
+        if acco is not None and acco.should_stop:
+            control.should_training_stop = True
         self._committed_view(control)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

@@ -1,0 +1,270 @@
+"""mode="local" with replicas of different speeds, on real gloo ranks: each replica takes its own
+number of inner steps per outer round (``pacing``), its pseudo-gradient weighed by the weights it
+trained on (``outer_weighting``), and every replica stops at the same round (``should_stop``).
+
+Reference (tests/reference.py, ``local_reference`` with ``None`` for a step a replica does not
+take): blocking rounds over replicas that took 3 and 2 (or 3, 1 and 2) steps, the mean weighed as
+docs/design.md, "Replicas of different speeds", says.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from acco import AccoOptimizer
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
+from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
+from tests.test_local import MAX_NORM, build, inner_step, step_data
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def paced_rank(options: dict, budget: int, sleep: dict | None = None) -> dict:
+    """A loop that stops on ``should_stop`` (``stop_after(steps=budget)``); rank r sleeps
+    ``sleep[r]`` seconds per inner step (a slower device)."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", **options)
+    opt.stop_after(steps=budget)
+    steps = 0
+    while not opt.should_stop:
+        inner_step(opt, model, steps, rank, True)
+        steps += 1
+        if sleep:
+            time.sleep(sleep.get(rank, 0.0))
+    opt.finish()
+    return {"params": params_of(model), "steps": steps, "outer_rounds": opt.outer_rounds,
+            "reports": [None if s.replicas is None else s.replicas.as_dict() for s in opt.round_stats],
+            "weights": [s.global_weight for s in opt.round_stats], "replica": opt.replica,
+            "plan": opt.replica_steps}  # fmt: skip
+
+
+def paced_expected(schedule: tuple[int, ...], rounds: int, **options) -> dict[str, torch.Tensor]:
+    """Blocking rounds in which replica m takes ``schedule[m]`` steps (its own step count
+    indexes its data), then finish()'s last round, which carries nothing."""
+    every = max(schedule)
+    data = [[step_data(k * own + j, m) if j < own else None for m, own in enumerate(schedule)]
+            for k in range(rounds) for j in range(every)]  # fmt: skip
+    init = params_of(make_model(seed=0))
+    return local_reference(init, "adamw", data, sync_every=every, sync_delay=0, max_norm=MAX_NORM, paced=True,
+                           **options)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule,weighting,bits", [
+    ((3, 2), "tokens", 32), ((3, 2), "equal", 32), ((3, 2), "normalized", 32), ((3, 1, 2), "tokens", 32),
+    ((3, 2), "tokens", 4),
+])  # fmt: skip
+def test_schedule_equals_weighted_reference(ranks, schedule, weighting, bits) -> None:
+    """Replica m takes schedule[m] steps a round; the outer round's mean weighs each pseudo-
+    gradient by its replica's tokens (equal, or FedNova's normalisation): the recurrence to
+    1e-5 (fp32; 4 bits 1e-6). stop_after(9): the fastest asks at its launch after 6 steps, so
+    every replica stops at round 3 (9 and 6 steps), and finish()'s round carries nothing."""
+    options = {"sync_every": 3, "sync_delay": 0, "pacing": schedule, "outer_weighting": weighting, "outer_bits": bits}
+    results = ranks(len(schedule)).run(paced_rank, options, 9)
+    assert_identical_across_ranks([{"params": r["params"]} for r in results])
+    assert [r["steps"] for r in results] == [3 * s for s in schedule]
+    assert all(r["outer_rounds"] == 4 for r in results)  # 3, then finish()'s
+    reports = results[0]["reports"]
+    assert all(r["reports"] == reports for r in results)  # one report on every rank
+    assert [report["steps"] for report in reports] == [list(schedule)] * 3 + [[0] * len(schedule)]
+    assert reports[2]["stop"] == [True] + [False] * (len(schedule) - 1) and reports[3]["finishing"] == [True] * len(schedule)
+    tolerance = 1e-6 if bits == 4 else 1e-5
+    expected = paced_expected(schedule, 3, weighting=weighting, outer_bits=bits)
+    assert_params_close(results[0]["params"], expected, rtol=tolerance, atol=tolerance)
+
+
+def test_weighting_changes_the_round(ranks) -> None:
+    """The references themselves: token weighting, equal weighting and FedNova's give three
+    different models for replicas of 3 and 2 steps (so the test above tells them apart)."""
+    models = [paced_expected((3, 2), 3, weighting=w) for w in ("tokens", "equal", "normalized")]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not torch.allclose(models[i]["0.weight"], models[j]["0.weight"], atol=1e-4)
+
+
+def fixed_rank(options: dict, steps: int) -> dict:
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", **options)
+    for t in range(steps):
+        inner_step(opt, model, t, rank, True)
+    opt.finish()
+    return {"params": params_of(model), "outer_rounds": opt.outer_rounds}
+
+
+@pytest.mark.parametrize("bits", [32, 4])
+def test_equal_schedule_is_lockstep_bit_for_bit(ranks, bits) -> None:
+    """An explicit schedule giving both replicas sync_every steps is the lockstep run bit for bit
+    (unequal token weights included), a partial last round at finish() too."""
+    common = {"sync_every": 3, "sync_delay": 0, "outer_bits": bits}
+    scheduled = ranks(2).run(fixed_rank, {**common, "pacing": [3, 3]}, 8)
+    lockstep = ranks(2).run(fixed_rank, {**common, "pacing": "lockstep"}, 8)
+    for a, b in zip(scheduled, lockstep):
+        assert_params_equal(a["params"], b["params"])
+        assert a["outer_rounds"] == b["outer_rounds"] == 3
+
+
+def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
+    """pacing="speed" (the default): rank 1 sleeps 40 ms a step, rank 0 none. After the first
+    round (both 6 steps: nothing measured yet) every round's plan gives the fast replica
+    sync_every and the slow one at most a third of it; every rank derives the same plans from
+    the same reports, the replicas stop at the same round and end identical."""
+    options = {"sync_every": 6, "sync_delay": 0, "pacing": "speed"}
+    results = ranks(2).run(paced_rank, options, 36, {1: 0.04})
+    assert_identical_across_ranks([{"params": r["params"]} for r in results])
+    assert results[0]["reports"] == results[1]["reports"] and results[0]["plan"] == results[1]["plan"]
+    assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
+    steps = [report["steps"] for report in results[0]["reports"]]
+    assert steps[0] == [6, 6]
+    assert all(fast == 6 and 1 <= slow <= 2 for fast, slow in steps[1:-1]), steps
+    assert results[0]["steps"] == 36 and results[1]["steps"] < 18  # the fast one never waited for 6 slow steps
+    # Measured from launch to launch (the first round from construction): the sleep counts, the
+    # fast replica's wait for the slow one does not.
+    seconds = [report["step_seconds"] for report in results[0]["reports"][1:-1]]
+    assert all(slow > 0.04 > fast for fast, slow in seconds), seconds
+
+
+def peer_finished_rank(options: dict) -> dict:
+    """Rank 0 takes 3 steps and finishes; rank 1 (one step a round) runs a fixed loop of 3."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", **options)
+    error = None
+    for t in range(3):
+        try:
+            inner_step(opt, model, t, rank, True)
+        except RuntimeError as raised:
+            error = str(raised)
+            break
+    opt.finish()
+    return {"params": params_of(model), "error": error, "should_stop": opt.should_stop}
+
+
+def test_a_replica_that_finishes_stops_the_others(ranks) -> None:
+    """finish() on a replica ends the run: its last round is the others' regular one, after
+    which should_stop is True there and step() raises, naming what to do; the others' finish()
+    runs no further round and every replica ends at the same global values (no hang)."""
+    results = ranks(2).run(peer_finished_rank, {"sync_every": 3, "sync_delay": 0, "pacing": [3, 1]})
+    assert results[0]["error"] is None
+    assert "opt.should_stop" in results[1]["error"] and "finish()" in results[1]["error"]
+    assert results[1]["should_stop"]
+    assert_identical_across_ranks([{"params": r["params"]} for r in results])
+
+
+def resume_paced_rank(options: dict, budget: int, save_at: list[int]) -> dict:
+    """Straight to the stop, and again saving this rank's state_dict() after ``save_at[rank]``
+    inner steps (each replica its own count) into a new model and optimizer."""
+    rank = this_rank()
+
+    def run(opt, model, steps, until):
+        while not opt.should_stop and steps < until:
+            inner_step(opt, model, steps, rank, True)
+            steps += 1
+        return steps
+
+    straight = make_model(seed=rank)
+    opt = build(straight, "adamw", **options)
+    opt.stop_after(steps=budget)
+    run(opt, straight, 0, 10**9)
+    opt.finish()
+
+    first = make_model(seed=rank)
+    opt = build(first, "adamw", **options)
+    opt.stop_after(steps=budget)
+    steps = run(opt, first, 0, save_at[rank])
+    saved, model_state = opt.state_dict(), {k: v.clone() for k, v in first.state_dict().items()}
+    in_flight = opt.in_flight is not None
+    opt.close()
+    resumed = make_model(seed=100 + rank)
+    resumed.load_state_dict(model_state)
+    opt = build(resumed, "adamw", **options)
+    opt.load_state_dict(saved)
+    run(opt, resumed, steps, 10**9)
+    opt.finish()
+    return {"straight": params_of(straight), "resumed": params_of(resumed), "saved_at": steps, "in_flight": in_flight}
+
+
+@pytest.mark.parametrize("delay,bits", [(0, 4), (1, 32)])
+def test_resume_with_a_schedule_is_exact(ranks, delay, bits) -> None:
+    """Each replica saves at its second launch (6 and 4 steps; with sync_delay 1 the round in
+    flight) and resumes in a new optimizer: bit for bit the run that did not stop, the stop
+    budget and the plan included."""
+    options = {"sync_every": 3, "sync_delay": delay, "pacing": (3, 2), "outer_bits": bits,
+               "overlap": "keep" if delay else "estimate"}  # fmt: skip
+    results = ranks(2).run(resume_paced_rank, options, 12, [6, 4])
+    assert [r["saved_at"] for r in results] == [6, 4]
+    assert all(r["in_flight"] == bool(delay) for r in results)
+    for result in results:
+        assert_params_equal(result["resumed"], result["straight"])
+    assert_identical_across_ranks([{"params": r["straight"]} for r in results])
+
+
+def mesh_paced_rank(inner: str) -> dict:
+    """A 2 x 2 mesh (FSDP2 or TP inside each replica group): replica group 0 takes 3 steps a
+    round, group 1 takes 2, both stop at round 3."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_mesh import build as build_inner, data_of, full_params
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = build_inner(inner, mesh)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", sync_every=3,
+                        sync_delay=0, max_grad_norm=MAX_NORM, timeout=TIMEOUT, pacing=(3, 2), outer_bits=32, **hp)
+    opt.stop_after(steps=9)
+    t = 0
+    while not opt.should_stop:
+        for i in range(2):
+            loss_fn(model, *data_of(inner, t, dist.get_rank(), i, False)[:2]).backward()
+            opt.accumulate()
+        opt.step()
+        t += 1
+    opt.finish()
+    return {"params": full_params(model), "steps": t, "replica": opt.replica}
+
+
+@pytest.mark.parametrize("inner", ["fsdp", "tp"])
+def test_schedule_on_a_mesh(ranks, inner) -> None:
+    """A replica group runs as one replica (all its ranks take its steps): the weighted
+    recurrence of two replicas, each fed its ranks' micro-batches, to 1e-5 on all 4 ranks."""
+    from tests.test_mesh import data_of, hidden_of
+
+    results = ranks(4).run(mesh_paced_rank, inner)
+    assert [r["replica"] for r in results] == [0, 0, 1, 1]
+    assert [r["steps"] for r in results] == [9, 9, 6, 6]
+    assert_identical_across_ranks(results)
+    sources = (lambda m: [2 * m]) if inner == "tp" else (lambda m: [2 * m, 2 * m + 1])
+    schedule = (3, 2)
+    data = [[[(x, y, 1.0) for x, y, _ in (data_of(inner, k * own + j, rank, i, False) for rank in sources(m)
+                                           for i in range(2))] if j < own else None
+             for m, own in enumerate(schedule)] for k in range(3) for j in range(3)]  # fmt: skip
+    init = params_of(make_model(hidden=hidden_of(inner)))
+    expected = local_reference(init, "adamw", data, sync_every=3, sync_delay=0, max_norm=MAX_NORM, paced=True)[0]
+    assert_params_close(results[0]["params"], expected)
+
+
+def test_stop_is_local_mode_only_and_checked() -> None:
+    """request_stop() / stop_after() name the mode they need; a budget must be positive; a
+    schedule must give the fastest replica sync_every and be as long as there are replicas."""
+    opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="sync", lr=1e-3)
+    with pytest.raises(RuntimeError, match="mode='local' only"):
+        opt.request_stop()
+    assert not opt.should_stop and opt.replica_steps == []
+    local = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, lr=1e-3)
+    with pytest.raises(ValueError, match="Invalid steps"):
+        local.stop_after(steps=0)
+    with pytest.raises(ValueError, match="Invalid seconds"):
+        local.stop_after(seconds=-1)
+    assert local.replica_steps == [4] and local.options.local.pacing == "speed"
+    with pytest.raises(ValueError, match="the fastest replica takes sync_every=4"):
+        AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, pacing=[3], lr=1e-3)
+    with pytest.raises(ValueError, match="Invalid pacing"):
+        AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, pacing=[4, 0], lr=1e-3)
+    with pytest.raises(ValueError, match="gives 2 replicas' inner steps, and there are 1"):
+        AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, pacing=[4, 2], lr=1e-3)
+    with pytest.raises(ValueError, match="outer_weighting"):
+        AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_weighting="loss", lr=1e-3)
