@@ -875,8 +875,15 @@ class LocalClock:
             self.plan = self.first_plan()
 
     def first_plan(self) -> list[int]:
-        pacing = self.options.pacing
-        return list(pacing) if isinstance(pacing, tuple) else [self.options.sync_every] * self.replicas
+        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each (no
+        speed is measured yet: a slow replica holds the others up for a quarter round, once)."""
+        pacing, every = self.options.pacing, self.options.sync_every
+        if isinstance(pacing, tuple):
+            return list(pacing)
+        if pacing == SPEED:
+            delay = self.options.sync_delay
+            return [max(every // 4, delay if isinstance(delay, int) else 0, 1)] * self.replicas
+        return [every] * self.replicas
 
     @property
     def target(self) -> int:
@@ -960,7 +967,8 @@ class LocalClock:
         if self.stop_seconds is not None and self.round_steps + ahead:
             now = time.perf_counter()
             per_step = (now - self.busy_since - self.waited) / self.round_steps if self.round_steps else 0.0
-            if now + ahead * per_step + self.round_wall > self.stop_seconds:
+            next_round = self.round_wall or self.options.sync_every * per_step  # before any launch: a round's steps
+            if now + ahead * per_step + next_round > self.stop_seconds:
                 self.stop_requested = True
 
     @property

@@ -105,8 +105,9 @@ METHODS: dict[str, MethodSpec] = {
 @dataclass(frozen=True)
 class LocalSpec:
     """A local-steps method's name, parsed:
-    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb]`` (acco
-    ``mode="local"``, library defaults for what is not named; ``-bB``: ``outer_bits=B``,
+    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb][-lockstep|-speed]
+    [-tokens|-equal|-normalized]`` (acco ``mode="local"``, library defaults for what is not named;
+    ``-lockstep`` / ``-speed``: ``pacing``; ``-tokens`` etc.: ``outer_weighting``; ``-bB``: ``outer_bits=B``,
     ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
     and momentum, the other from the library's default; ``-hb``: heavy-ball momentum, not Nesterov's),
     ``diloco-hH[-olrX]`` (torchft's
@@ -123,6 +124,8 @@ class LocalSpec:
     fragments: int = 2
     outer_bits: int | None = None  # acco: None is the library's default
     error_feedback: bool = True
+    pacing: str | None = None  # acco: lockstep or speed (None: the library's default)
+    weighting: str | None = None  # acco: tokens, equal or normalized (None: the library's default)
 
     @classmethod
     def parse(cls, name: str) -> LocalSpec | None:
@@ -135,6 +138,10 @@ class LocalSpec:
             for part in parts[1:]:
                 if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
+                elif part in ("lockstep", "speed") and kind == "local":
+                    spec = dataclasses.replace(spec, pacing=part)
+                elif part in ("tokens", "equal", "normalized") and kind == "local":
+                    spec = dataclasses.replace(spec, weighting=part)
                 elif part == "dauto" and kind == "local":
                     spec = dataclasses.replace(spec, sync_delay="auto")
                 elif part.startswith("b") and kind == "local":
@@ -168,6 +175,8 @@ class LocalSpec:
                     f"{self.sync_delay or 0}{olr}")
         bits = "" if self.outer_bits is None else f", {self.outer_bits} bits"
         bits += "" if self.error_feedback else " without error feedback"
+        bits += "" if self.pacing is None else f", pacing {self.pacing}"
+        bits += "" if self.weighting is None else f", {self.weighting} weights"
         if self.sync_delay == 0:
             return f"acco `local` blocking, H = {self.sync_every}{bits}{olr}"
         if self.sync_delay is None and self.overlap is None:
@@ -625,6 +634,10 @@ class AccoLocalMethod(Method):
             options["outer_bits"] = local.outer_bits
         if not local.error_feedback:
             options["outer_error_feedback"] = False
+        if local.pacing is not None:
+            options["pacing"] = local.pacing
+        if local.weighting is not None:
+            options["outer_weighting"] = local.weighting
         self.local_opt = acco_module.AccoOptimizer(
             param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
             betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)

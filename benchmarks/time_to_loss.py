@@ -60,6 +60,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         help=f"default: {', '.join(TTL_METHODS)}; with --slowdown: {', '.join(MIXED_METHODS)}; any diloco-hN")
     add("--slowdown", default=None, metavar="RANK:FACTOR",
         help="rank RANK's micro-batches take FACTOR times longer (it sleeps FACTOR - 1 times each one's CPU time)")
+    add("--slow", type=int, default=None, metavar="FACTOR", help="the same as --slowdown 1:FACTOR")
     add("--lr-follows-batch", choices=["none", "sqrt", "linear"], default="none",
         help="acco: after each committed update, scale the next update's lr by (its global weight / the "
              "fixed loop's)^0.5 or ^1 (the README's recipe for the ready() loop's larger updates)")
@@ -86,6 +87,10 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> str | None:
     args.eval_every = args.eval_every or args.budget / (4 if args.quick else 8)
     args.seeds = args.seeds[:1] if args.quick else args.seeds
+    if args.slow is not None:
+        if args.slowdown is not None:
+            return "give --slow or --slowdown, not both"
+        args.slowdown = f"1:{args.slow}"
     args.slow = parse_slowdown(args.slowdown)  # (rank, factor) or None
     args.methods = args.methods or (MIXED_METHODS if args.slow else TTL_METHODS)
     args.links = args.links or ([UNLIMITED, RATE_LABELS[0]] if args.slow else list(RATE_LABELS))
@@ -204,6 +209,11 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
                           method.eval_params(params)))
         clock.pause(time.perf_counter() - started)
 
+    # acco's local steps stop on the optimizer's own agreement, decided at an outer round: the
+    # agreed clock's all-reduce at every inner step would put paced replicas back in lockstep.
+    local = method.local_opt if method.spec.family == "local" else None
+    if local is not None:
+        local.stop_after(steps=args.steps, seconds=args.budget)
     while True:
         record = common.train_round(method, next_batch, slowdown=slowdown, max_micro_batches=args.round_cap)
         computed, rounds, now = computed + len(record.losses), rounds + 1, clock.elapsed()
@@ -214,6 +224,13 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             if isinstance(method, common.AccoMethod):
                 follow_batch(method, args, scheduler, method.opt.committed_weight - committed_weight)
                 committed_weight = method.opt.committed_weight
+        if local is not None:
+            if local.should_stop:
+                break
+            if record.committed and now >= next_eval:  # rank 0's snapshots are the ones evaluated
+                snapshot(now)
+                next_eval = (math.floor(now / args.eval_every) + 1) * args.eval_every
+            continue
         agreed = clock.exchange(now)
         if clock.budget_reached(agreed, args.budget) or (args.steps is not None and rounds >= args.steps):
             break
@@ -232,9 +249,12 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     updates = method.committed_updates(counted)
 
     eval_started = time.perf_counter()  # every copy, each on one rank, nothing else running
-    losses = [0.0] * len(snapshots)
+    if local is not None:  # every replica lands the same rounds; each took its snapshots on its own clock
+        snapshots = snapshots if rank == 0 else []
+        count = int(common.all_reduce([len(snapshots)], op="max")[0])
+    losses = [0.0] * (len(snapshots) if local is None else count)
     for i, (_, copy) in enumerate(snapshots):
-        if i % world == rank:
+        if local is not None or i % world == rank:
             with torch.no_grad():
                 for p, q in zip(params, copy):
                     p.copy_(q)
@@ -261,13 +281,32 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.spec.family == "local":
         result.update(sync_every=method.sync_every, sync_delay=method.sync_delay, inner_steps=method.inner_steps,
-                      outer_steps=method.local_opt.outer_rounds)
+                      outer_steps=method.local_opt.outer_rounds, **replica_telemetry(method.local_opt, end_s))
         if lo_bytes is not None and method.local_opt.outer_rounds:
             result["lo_bytes_per_sync"] = lo_bytes / method.local_opt.outer_rounds
     if method.round_stats():
         result["lane"] = common.lane_summary(method.round_stats())
     method.close()
     return result
+
+
+def replica_telemetry(opt: Any, end_s: float) -> dict[str, Any]:
+    """Per replica (by rank, one replica a rank): inner steps, mean inner steps and tokens per
+    outer round, and the seconds its step() waited for outer rounds. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reports = [s.replicas for s in opt.round_stats if s.replicas is not None and not any(s.replicas.finishing)]
+    own = [0.0] * (4 * world)
+    own[4 * rank: 4 * rank + 4] = [
+        float(opt.num_updates + opt.skipped_updates),
+        statistics.fmean(r.steps[opt.replica] for r in reports) if reports else 0.0,
+        statistics.fmean(r.weights[opt.replica] for r in reports) if reports else 0.0,
+        math.fsum(s.wait_seconds for s in opt.round_stats if not math.isnan(s.wait_seconds)),
+    ]
+    values = common.all_reduce(own)
+    by_rank = [values[4 * r: 4 * r + 4] for r in range(world)]
+    return {"inner_steps_by_rank": [int(v[0]) for v in by_rank], "steps_per_round_by_rank": [v[1] for v in by_rank],
+            "tokens_per_round_by_rank": [v[2] for v in by_rank], "wait_s_by_rank": [v[3] for v in by_rank],
+            "wait_share_by_rank": [v[3] / end_s for v in by_rank]}  # fmt: skip
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
