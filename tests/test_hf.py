@@ -383,6 +383,8 @@ def one_process(output_dir: str, two_rank_checkpoint: str, local_checkpoint: str
         "outer_error_feedback": dict(args=base, acco_mode="dpu", acco_kwargs={"outer_error_feedback": False}),
         "param_dtype": dict(args=base, acco_mode="local", acco_kwargs={"param_dtype": torch.bfloat16}),
         "acco_accumulate_while_waiting": dict(args=base, acco_mode="local", acco_accumulate_while_waiting=True),
+        # Replicas at different step counts would meet the Trainer's collectives at different times.
+        "pacing": dict(args=base, acco_mode="local", acco_kwargs={"pacing": "speed"}),
     }
     messages = {}
     for name, kwargs in rejected.items():

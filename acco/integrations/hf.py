@@ -84,7 +84,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
-from acco.options import Options, parse_enum
+from acco.options import LOCKSTEP, Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
@@ -246,6 +246,15 @@ class AccoTrainer(Trainer):
                 "only where a fixed sync_delay lands a round that has not arrived; acco_kwargs sync_delay='auto' "
                 "lands each round once it has, so no replica waits"
             )
+        if self.acco_mode is Mode.LOCAL:
+            pacing = self.acco_kwargs.setdefault("pacing", LOCKSTEP)
+            if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
+                raise ValueError(
+                    f"Invalid acco_kwargs pacing={pacing!r}: the Trainer's logging, evaluation, saving and epoch starts "
+                    "are collectives at step counts, which replicas taking different numbers of inner steps would reach "
+                    "at different times; AccoTrainer runs its replicas in lockstep (pacing='lockstep', its default). "
+                    "Replicas of different speeds: a hand-written loop (docs/loops.md, \"Replicas of different speeds\")"
+                )
         _check_acco_options(self.acco_mode, self.acco_kwargs)
         if bound.get("args") is not None:
             _check_training_args(bound["args"], self.acco_mode)
@@ -620,15 +629,10 @@ class _CommittedParameters(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.training_over = False
         self.trainer._train_dataloader = kwargs.get("train_dataloader")
-        acco = self.trainer.acco_optimizer
-        if acco is not None and acco.mode is Mode.LOCAL and not acco.options.local.lockstep:
-            # Paced replicas take different step counts: every one stops at the outer round after
-            # which the fastest could not take another within max_steps (docs/hf.md).
-            acco.stop_after(steps=state.max_steps)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         acco = self.trainer.acco_optimizer
-        if acco is not None and acco.should_stop:
+        if acco is not None and acco.should_stop:  # request_stop() / stop_after() on some replica (local mode)
             control.should_training_stop = True
         self._committed_view(control)
 
