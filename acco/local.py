@@ -135,10 +135,7 @@ class LocalLoop(Loop):
         self._counts.num_updates += int(updated)
         self._counts.skipped_updates += int(skipped)
         self._counts.committed_weight += weights.total() if updated else 0.0
-        clock.round_weight += weights.total() if updated else 0.0
-        clock.inner_steps += 1
-        clock.round_steps += 1
-        clock.unsynced = True
+        clock.stepped(weights.total() if updated else 0.0)
         if clock.lands_after(clock.inner_steps, self._round_done()):
             self._land()
         if clock.launches_now():
@@ -865,24 +862,30 @@ class LocalClock:
     flight_report: ReplicaReport | None = None
     stop_steps: int | None = None
     stop_seconds: float | None = None
-    # Wall-clock measurement (not saved): since the last launch, and the waits for a round in it.
+    # Wall-clock measurement (not saved): since the last launch (the first from the end of the
+    # first step: what came before it is not this replica's pace), the steps and the waits for a
+    # round in that time.
     busy_since: float = field(default_factory=time.perf_counter)
+    timing: bool = False
+    timed_steps: int = 0
     waited: float = 0.0
-    round_wall: float = 0.0  # the last launch-to-launch time
+    round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
+    pace: float = 0.0  # seconds per step over the last round (0: not measured)
 
     def __post_init__(self) -> None:
         if not self.plan:
             self.plan = self.first_plan()
 
     def first_plan(self) -> list[int]:
-        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each (no
-        speed is measured yet: a slow replica holds the others up for a quarter round, once)."""
+        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each, at
+        least 2 (no speed is measured yet: a slow replica holds the others up for a quarter
+        round, once; its pace is timed from the end of its first step)."""
         pacing, every = self.options.pacing, self.options.sync_every
         if isinstance(pacing, tuple):
             return list(pacing)
         if pacing == SPEED:
             delay = self.options.sync_delay
-            return [max(every // 4, delay if isinstance(delay, int) else 0, 1)] * self.replicas
+            return [min(every, max(every // 4, delay if isinstance(delay, int) else 0, 2))] * self.replicas
         return [every] * self.replicas
 
     @property
@@ -912,13 +915,33 @@ class LocalClock:
             return self.options.sync_every - self.inner_steps % self.options.sync_every
         return max(self.target - self.round_steps, 0)
 
+    def stepped(self, weight: float) -> None:
+        """An inner step ended (``weight``: its update's, 0 if none was applied)."""
+        self.inner_steps += 1
+        self.round_steps += 1
+        self.round_weight += weight
+        self.unsynced = True
+        if not self.timing:
+            self.busy_since, self.waited, self.timing = time.perf_counter(), 0.0, True
+        else:
+            self.timed_steps += 1
+
+    def seconds_per_step(self, now: float) -> float:
+        """This replica's pace since the last launch (0: not measured yet)."""
+        return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
+
+    def current_pace(self, now: float) -> float:
+        """Seconds per step: since the last launch, else over the last round (0: unknown)."""
+        return self.seconds_per_step(now) or self.pace
+
     def hand_over(self) -> HandOver:
         """What the launch now tells the others; the round's counters start again."""
         now = time.perf_counter()
-        busy = now - self.busy_since - self.waited
-        seconds = busy / self.round_steps if self.round_steps else 0.0
-        report = HandOver(self.round_steps, self.round_weight, seconds, self.stop_requested, self.finishing)
-        self.round_wall, self.busy_since, self.waited = now - self.busy_since, now, 0.0
+        report = HandOver(self.round_steps, self.round_weight, self.seconds_per_step(now), self.stop_requested,
+                          self.finishing)  # fmt: skip
+        self.round_wall = now - self.busy_since if self.timed_steps == self.round_steps else 0.0
+        self.pace = report.step_seconds or self.pace
+        self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
         return report
 
@@ -957,18 +980,20 @@ class LocalClock:
         self.stop_seconds = None if seconds is None else time.perf_counter() + float(seconds)
 
     def check_budget(self) -> None:
-        """``stop_after()``: ask to stop at the next launch once the round after it would
-        end past the budget (the plan's steps, or the last round's time, as the measure)."""
+        """``stop_after()``: ask to stop at the next launch once the round after it would end
+        past ``steps`` (the fastest replica's ``sync_every`` a round), or, for ``seconds``,
+        once the next launch is nearer the deadline than the end of the round after it (the
+        last round's time as the measure: within half a round of the budget)."""
         if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
             return
         ahead = self.steps_to_launch()
         if self.stop_steps is not None and self.inner_steps + ahead + self.options.sync_every > self.stop_steps:
             self.stop_requested = True
-        if self.stop_seconds is not None and self.round_steps + ahead:
-            now = time.perf_counter()
-            per_step = (now - self.busy_since - self.waited) / self.round_steps if self.round_steps else 0.0
-            next_round = self.round_wall or self.options.sync_every * per_step  # before any launch: a round's steps
-            if now + ahead * per_step + next_round > self.stop_seconds:
+        now = time.perf_counter()
+        per_step = self.current_pace(now)
+        if self.stop_seconds is not None and per_step:
+            next_round = self.round_wall or self.options.sync_every * per_step  # before any whole round: its steps
+            if now + ahead * per_step + next_round / 2 > self.stop_seconds:
                 self.stop_requested = True
 
     @property
@@ -1015,4 +1040,4 @@ class LocalClock:
         self.stop_requested, self.should_stop = bool(saved.get("stop_requested")), bool(saved.get("should_stop"))
         self.stop_steps = saved.get("stop_steps")
         self.flight_report = flight_report
-        self.busy_since, self.waited = time.perf_counter(), 0.0
+        self.timing, self.timed_steps, self.waited, self.round_wall, self.pace = False, 0, 0.0, 0.0, 0.0

@@ -459,10 +459,11 @@ class AccoOptimizer(torch.optim.Optimizer):
     def stop_after(self, steps: int | None = None, seconds: float | None = None) -> None:
         """``mode="local"``: a budget this replica enforces with :meth:`request_stop`: it asks
         at the launch after which one more round would take it past ``steps`` inner steps
-        (counted as the fastest replica's, ``sync_every`` a round) or past ``seconds`` from now
-        (the last round's time as the measure). With ``pacing="lockstep"`` and ``steps`` a
-        multiple of ``sync_every`` every replica stops after exactly ``steps``. Loop on
-        ``while not opt.should_stop``; every replica may call it, with its own budget.
+        (counted as the fastest replica's, ``sync_every`` a round), or at the launch nearest
+        ``seconds`` from now (within half a round, the last round's time as the measure).
+        With ``pacing="lockstep"`` and ``steps`` a multiple of ``sync_every`` every replica
+        stops after exactly ``steps``. Loop on ``while not opt.should_stop``; every replica may
+        call it, with its own budget.
 
         Raises:
             RuntimeError: another mode. ValueError: a budget that is not positive.
