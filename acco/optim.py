@@ -16,6 +16,7 @@ import atexit
 import collections
 import datetime
 import functools
+import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -61,6 +62,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["AccoOptimizer", "CommLaneError", "Mode", "NonFinite", "RoundKind", "RoundStats"]
+
+# Under the "acco" logger: rank 0 logs the resolved options at construction (INFO).
+_log = logging.getLogger(__name__)
 
 # The longest the exit hook waits for the last round of an optimizer never finished (at
 # most its timeout): it normally lands at once (every rank's lane runs it); a dead peer fails it sooner.
@@ -149,6 +153,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             ``"tensor"`` (whole tensors per rank) or None (``flat`` where it is exact).
         max_grad_norm: clip the averaged gradient to this global 2-norm before each update
             (the estimate's included), as ``clip_grad_norm_`` would; the norm is in ``round_stats``.
+            None or 0 (nanoGPT's ``grad_clip=0.0``): no clipping.
         param_dtype / reduce_dtype: the live parameters' dtype (the model is cast at
             construction) / the dtype gradients are accumulated and reduced in (default
             ``param_dtype``; 16-bit warns). Master shard and state: fp32 (fp64 for fp64).
@@ -194,6 +199,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
+
+    An ``acco``-only or ``local``-only argument given in another mode is ignored, with one
+    ``UserWarning`` naming it, so a configurator's typed defaults serve every mode.
+    ``repr(opt)`` shows the mode and its resolved settings (and rank 0 logs them at INFO on
+    the ``"acco"`` logger).
 
     Raises:
         TypeError / ValueError: bad arguments, raised before any collective runs.
@@ -255,10 +265,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)
-        check_estimate_dtypes(estimate_dtype, options, groups)
+        check_estimate_dtypes(options.estimate_dtype, options, groups)
         self.options, self.optimizer_class = options, optimizer_class
         self.mode, self.nonfinite, self.layout = options.mode, options.nonfinite, options.layout
-        self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, estimate_dtype
+        self.max_grad_norm, self.timeout, self.estimate_dtype = options.max_grad_norm, timeout, options.estimate_dtype
         self._comm = Collectives.from_user_group(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
         if isinstance(params, nn.Module) and module is not None and module is not params:
@@ -300,6 +310,17 @@ class AccoOptimizer(torch.optim.Optimizer):
         ))  # fmt: skip
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict()'s, on its rank
         self._warned_zero_grad = False
+        if self.rank == 0:
+            _log.info("AccoOptimizer, world size %d: %s", self.world_size, ", ".join(options.describe()))
+
+    def __repr__(self) -> str:
+        """As torch optimizers' (the class, then each param group), with the mode and its
+        resolved settings first (``sync_delay``, the outer optimizer, ... in ``mode="local"``)."""
+        lines = [f"{type(self).__name__} (", "Options", *(f"    {line}" for line in self.options.describe())]
+        for number, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {number}")
+            lines += [f"    {key}: {group[key]}" for key in sorted(group) if key != "params"]
+        return "\n".join(lines) + "\n)"
 
     @property
     def num_updates(self) -> int:

@@ -7,11 +7,13 @@ raises on the rank that passed it and never leaves a half-built optimizer or a h
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime
 import enum
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "LOCKSTEP", "SPEED", "Weighting", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LocalOptions", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -138,6 +140,23 @@ SPEED, LOCKSTEP = "speed", "lockstep"
 DEFAULT_PACING = SPEED
 DEFAULT_OUTER_WEIGHTING = "tokens"
 
+# The arguments one mode alone reads, each with its owner and the value that means "not given".
+# Given otherwise in another mode they are ignored, with one warning, so that a configurator's
+# typed defaults (nanoGPT's configurator.py overrides only what has one) serve every mode.
+MODE_ONLY: dict[str, tuple[Mode, Any]] = {
+    "estimate_dtype": (Mode.ACCO, None),
+    "sync_every": (Mode.LOCAL, DEFAULT_SYNC_EVERY),
+    "sync_delay": (Mode.LOCAL, DEFAULT_SYNC_DELAY),
+    "overlap": (Mode.LOCAL, DEFAULT_OVERLAP),
+    "outer_optimizer": (Mode.LOCAL, None),
+    "outer_bits": (Mode.LOCAL, DEFAULT_OUTER_BITS),
+    "outer_error_feedback": (Mode.LOCAL, DEFAULT_OUTER_ERROR_FEEDBACK),
+    "pacing": (Mode.LOCAL, DEFAULT_PACING),
+    "outer_weighting": (Mode.LOCAL, DEFAULT_OUTER_WEIGHTING),
+}
+# The outer optimizer's hyper-parameters that describe() shows, those it has.
+_OUTER_SHOWN = ("lr", "momentum", "nesterov", "betas", "weight_decay")
+
 
 @dataclass(frozen=True)
 class LocalOptions:
@@ -150,6 +169,7 @@ class LocalOptions:
             the part linear in the pseudo-gradient (None otherwise).
         pacing: ``"speed"``, ``"lockstep"``, or each replica's inner steps per round (a tuple).
         outer_weighting: how each replica's pseudo-gradient counts in the outer round's mean.
+        outer_hyperparams: the outer optimizer's lr, momentum, ... as built (``describe()``).
     """
 
     sync_every: int
@@ -162,6 +182,22 @@ class LocalOptions:
     estimate: LinearOuterStep | None = None
     pacing: str | tuple[int, ...] = DEFAULT_PACING
     outer_weighting: Weighting = Weighting.TOKENS
+    outer_hyperparams: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> list[str]:
+        """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
+        at construction)."""
+        outer = ", ".join(f"{name}={value}" for name, value in self.outer_hyperparams)
+        return [
+            f"sync_every: {self.sync_every}",
+            f"sync_delay: {self.sync_delay}",
+            f"overlap: {self.overlap.value}",
+            f"outer_optimizer: {self.outer_class.__name__}({outer})",
+            f"outer_bits: {self.outer_bits}",
+            f"outer_error_feedback: {self.error_feedback}",
+            f"pacing: {list(self.pacing) if isinstance(self.pacing, tuple) else self.pacing}",
+            f"outer_weighting: {self.outer_weighting.value}",
+        ]
 
     @property
     def error_feedback(self) -> bool:
@@ -189,18 +225,9 @@ class LocalOptions:
               outer_bits: Any = DEFAULT_OUTER_BITS, outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
               pacing: Any = DEFAULT_PACING, outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
               ) -> LocalOptions | None:  # fmt: skip
-        """The options of ``mode="local"`` (None in another mode, where passing any of them
-        other than at its default is a ``ValueError``); ``ValueError`` / ``TypeError`` naming
-        a bad value."""
-        defaults = (("sync_every", sync_every, DEFAULT_SYNC_EVERY), ("sync_delay", sync_delay, DEFAULT_SYNC_DELAY),
-                    ("overlap", overlap, DEFAULT_OVERLAP), ("outer_optimizer", outer_optimizer, None),
-                    ("outer_bits", outer_bits, DEFAULT_OUTER_BITS),
-                    ("outer_error_feedback", outer_error_feedback, DEFAULT_OUTER_ERROR_FEEDBACK),
-                    ("pacing", pacing, DEFAULT_PACING), ("outer_weighting", outer_weighting, DEFAULT_OUTER_WEIGHTING))  # fmt: skip
+        """The options of ``mode="local"`` (None in another mode: :func:`ignore_other_modes`
+        has set them aside); ``ValueError`` / ``TypeError`` naming a bad value."""
         if mode is not Mode.LOCAL:
-            given = [f"{name}={value!r}" for name, value, default in defaults if value is not None and value != default]
-            if given:
-                raise ValueError(f"{', '.join(given)} need mode='local' (this optimizer is mode={mode.value!r})")
             return None
         every = DEFAULT_SYNC_EVERY if sync_every is None else sync_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -251,8 +278,9 @@ class LocalOptions:
         paced = _check_pacing(DEFAULT_PACING if pacing is None else pacing, every, delay)
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
+        shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
-                   weighting)  # fmt: skip
+                   weighting, shown)  # fmt: skip
 
 
 def _check_pacing(pacing: Any, sync_every: int, sync_delay: int | str) -> str | tuple[int, ...]:
@@ -311,10 +339,18 @@ class Options:
         outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
-        is checked, not kept)."""
+        is checked, not kept). The arguments of another mode are ignored, with one warning
+        (:func:`ignore_other_modes`); ``max_grad_norm=0`` is None, no clipping (nanoGPT's
+        ``grad_clip=0.0``, the Hugging Face Trainer's ``max_grad_norm=0``)."""
         checked_mode = parse_enum(Mode, mode, "mode")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number > 0, or None)")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm >= 0):  # fmt: skip
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number >= 0; 0 or None: no clipping)")
+        given = ignore_other_modes(checked_mode, {
+            "estimate_dtype": estimate_dtype, "sync_every": sync_every, "sync_delay": sync_delay, "overlap": overlap,
+            "outer_optimizer": outer_optimizer, "outer_bits": outer_bits, "outer_error_feedback": outer_error_feedback,
+            "pacing": pacing, "outer_weighting": outer_weighting,
+        })  # fmt: skip
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise TypeError(f"Invalid {name}: {dtype!r} (a floating torch.dtype, or None)")
@@ -322,12 +358,10 @@ class Options:
             raise ValueError(f"Invalid timeout: {timeout!r} (a positive datetime.timedelta)")
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"Invalid module: {type(module).__name__} (an nn.Module whose buffers to keep identical)")
-        if estimate_dtype is not None and checked_mode is not Mode.ACCO:
-            raise ValueError(
-                f"estimate_dtype={estimate_dtype} needs mode='acco' (mode {checked_mode.value!r} has no estimate rounds)"
-            )
-        local = LocalOptions.check(checked_mode, sync_every, sync_delay, overlap, outer_optimizer, outer_bits,
-                                   outer_error_feedback, pacing, outer_weighting)  # fmt: skip
+        local = LocalOptions.check(
+            checked_mode, given["sync_every"], given["sync_delay"], given["overlap"], given["outer_optimizer"],
+            given["outer_bits"], given["outer_error_feedback"], given["pacing"], given["outer_weighting"],
+        )  # fmt: skip
         if local is not None:
             for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
                 if dtype is not None:
@@ -339,14 +373,25 @@ class Options:
             mode=checked_mode,
             nonfinite=parse_enum(NonFinite, nonfinite, "nonfinite"),
             layout=None if layout is None else parse_enum(Layout, layout, "layout"),
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            max_grad_norm=float(max_grad_norm) if max_grad_norm else None,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             timeout=timeout,
-            estimate_dtype=estimate_dtype,
+            estimate_dtype=given["estimate_dtype"],
             buffer_policy=None if buffers is None else parse_enum(BufferPolicy, buffers, "buffers"),
             local=local,
         )
+
+    def describe(self) -> list[str]:
+        """The mode and its resolved settings, one ``"name: value"`` each (``repr(opt)``, and
+        the line logged at construction)."""
+        buffers = None if self.buffer_policy is None else self.buffer_policy.value
+        common = [f"mode: {self.mode.value}", f"max_grad_norm: {self.max_grad_norm}",
+                  f"nonfinite: {self.nonfinite.value}", f"buffers: {buffers}", f"timeout: {self.timeout}"]  # fmt: skip
+        if self.local is not None:
+            return common + self.local.describe()
+        return common + [f"param_dtype: {self.param_dtype}", f"reduce_dtype: {self.reduce_dtype}",
+                         f"estimate_dtype: {self.estimate_dtype}"]  # fmt: skip
 
     def fingerprint(self) -> str:
         """What every rank must have chosen alike, as text (checked at start-up)."""
@@ -361,6 +406,24 @@ class Options:
         after ``timeout``; waiting a little longer lets their error (naming the phase) come
         first."""
         return self.timeout.total_seconds() * 1.1 + 5.0
+
+
+def ignore_other_modes(mode: Mode, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (arguments of :data:`MODE_ONLY`) with those of another mode than ``mode`` at
+    their defaults. Those given otherwise are named in one ``UserWarning``, raised at the
+    caller of ``AccoOptimizer(...)``; their values are not checked (no mode reads them)."""
+    kept, ignored = dict(given), collections.defaultdict(list)
+    for name, value in given.items():
+        owner, default = MODE_ONLY[name]
+        if owner is not mode and value is not None and value != default:
+            ignored[owner].append(f"{name}={value!r}")
+            kept[name] = default
+    if ignored:
+        parts = [f"{', '.join(names)} only appl{'ies' if len(names) == 1 else 'y'} to mode={owner.value!r}"
+                 for owner, names in ignored.items()]  # fmt: skip
+        # stacklevel: this function, Options.check, AccoOptimizer.__init__, the caller.
+        warnings.warn(f"{'; '.join(parts)}: ignored with mode={mode.value!r}", UserWarning, stacklevel=4)
+    return kept
 
 
 def parse_enum(enum_type: type[E], value: Any, what: str) -> E:

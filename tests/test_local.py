@@ -8,6 +8,7 @@ on a whole one-process copy of the snapshot. ``sync_delay=0`` is blocking DiLoCo
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import pytest
@@ -259,15 +260,12 @@ def bad(**options) -> None:
     ({"mode": "local", "sync_every": 2.5}, "sync_every: 2.5"),
     ({"mode": "local", "sync_every": 4, "sync_delay": 5}, "sync_delay: 5"),
     ({"mode": "local", "sync_delay": -1}, "sync_delay: -1"),
-    ({"mode": "local", "estimate_dtype": torch.bfloat16}, "estimate_dtype"),
     ({"mode": "local", "param_dtype": torch.bfloat16}, "param_dtype"),
     ({"mode": "local", "reduce_dtype": torch.float32}, "reduce_dtype"),
     ({"mode": "local", "overlap": "blend"}, "overlap: 'blend'"),
     ({"mode": "local", "sync_every": 4, "sync_delay": 4, "overlap": "discard"}, "sync_delay: 4 with overlap='discard'"),
     ({"mode": "local", "sync_delay": "soon"}, "sync_delay: 'soon'"),
     ({"mode": "local", "outer_optimizer": 3}, "outer_optimizer"),
-    ({"mode": "acco", "sync_every": 8}, "sync_every=8 need mode='local'"),
-    ({"mode": "dpu", "outer_optimizer": torch.optim.SGD}, "outer_optimizer=.* need mode='local'"),
 ])
 def test_bad_input_before_any_collective(options, message) -> None:
     """Each bad argument is a ValueError (or TypeError) naming it; no process group exists, so
@@ -367,6 +365,36 @@ def test_defaults() -> None:
                          outer_bits=4, outer_error_feedback=True)
     assert same.options.local is None
     same.finish()
+
+
+def test_repr_and_the_log_line_show_the_resolved_settings(caplog) -> None:
+    """repr(opt) shows, before the param groups as torch optimizers show them, the mode and every
+    resolved local setting ("half" as a count, the default overlap rule as chosen, the outer
+    optimizer's hyper-parameters, error feedback as it runs); rank 0 logs them at construction."""
+    outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    with caplog.at_level(logging.INFO, logger="acco"):
+        opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=8, sync_delay="half",
+                            outer_optimizer=outer, outer_bits=8, lr=1e-2, max_grad_norm=0.0)  # fmt: skip
+    settings = ["mode: local", "max_grad_norm: None", "nonfinite: raise", "buffers: broadcast", "timeout: 0:10:00",
+                "sync_every: 8", "sync_delay: 4", "overlap: estimate",
+                "outer_optimizer: SGD(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0)", "outer_bits: 8",
+                "outer_error_feedback: True"]  # fmt: skip
+    text = repr(opt)
+    options = "".join(f"    {line}\n" for line in settings)
+    assert text.startswith(f"AccoOptimizer (\nOptions\n{options}Parameter Group 0\n")
+    assert "\n    lr: 0.01\n" in text and "\n    optimizer_class: <class 'torch.optim.adamw.AdamW'>\n" in text
+    assert text.endswith("\n)")
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("acco")]
+    assert logged == ["AccoOptimizer, world size 1: " + ", ".join(settings)]
+    opt.finish()
+    # Resolved defaults: no linear split, so "discard"; 16 bits send no residual.
+    adam = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_optimizer=torch.optim.Adam, outer_bits=16)
+    assert "\n    overlap: discard\n" in repr(adam) and "\n    outer_error_feedback: False\n" in repr(adam)
+    assert "\n    outer_optimizer: Adam(lr=0.001, betas=(0.9, 0.999), weight_decay=0)\n" in repr(adam)
+    adam.finish()
+    sync = AccoOptimizer(make_model(), torch.optim.AdamW, mode="sync", lr=1e-2)
+    assert repr(sync).startswith("AccoOptimizer (\nOptions\n    mode: sync\n") and "sync_every" not in repr(sync)
+    sync.finish()
 
 
 def auto_rank(steps: int) -> dict:

@@ -16,6 +16,7 @@ base optimizer) are in tests/test_robustness.py.
 from __future__ import annotations
 
 import datetime
+import functools
 import warnings
 
 import pytest
@@ -24,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer, CommLaneError
-from tests.helpers import TIMEOUT, inside
-from tests.reference import loss_fn, make_model, micro_batch
+from tests.helpers import TIMEOUT, assert_params_equal, inside, this_rank
+from tests.reference import loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +51,6 @@ BAD_ARGUMENTS = [
     (dict(nonfinite="ignore"), ValueError, "Invalid nonfinite"),
     (dict(estimate_dtype="bfloat16"), TypeError, "Invalid estimate_dtype: 'bfloat16'"),
     (dict(estimate_dtype=torch.float32), ValueError, "not lighter than the reduce dtype torch.float32"),
-    (dict(mode="sync", estimate_dtype=torch.bfloat16), ValueError, "needs mode='acco'"),
 ]
 
 
@@ -90,6 +90,70 @@ def bad_arguments_then_training() -> float:
 def test_bad_arguments_run_no_collective(ranks) -> None:
     """On 2 ranks every bad argument fails before any collective: the group still works."""
     assert ranks(2).run(bad_arguments_then_training) == [2.0, 2.0]
+
+
+# A configurator's typed defaults (nanoGPT's configurator.py overrides only keys that have
+# one): every mode's own arguments set, whichever mode the command line picks.
+CONFIGURATOR = dict(
+    max_grad_norm=0.0, sync_every=8, sync_delay="half", overlap="keep", outer_bits=8, outer_error_feedback=False,
+    outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+    estimate_dtype=torch.bfloat16,
+)
+
+
+def configured_run(mode: str, config: dict) -> dict:
+    """Three rounds in ``mode`` with ``config``; the parameters and the warnings about other modes."""
+    rank = this_rank()
+    model = make_model(seed=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = construct(params=model, mode=mode, **config)
+    for round_ in range(3):
+        for index in range(2):
+            loss_fn(model, *micro_batch(round_, rank, index)).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    ignored = [str(w.message) for w in caught if "ignored with mode" in str(w.message)]
+    return {"params": params_of(model), "ignored": ignored, "estimate_dtype": opt.estimate_dtype}
+
+
+def test_a_configurator_setting_every_key_runs_in_sync_mode(ranks) -> None:
+    """mode="sync" with every local-only argument and estimate_dtype set (sync_every=8 among them):
+    one UserWarning on each rank names them all, and the run equals the one without them bit for bit."""
+    configured = ranks(2).run(configured_run, "sync", CONFIGURATOR)
+    plain = ranks(2).run(configured_run, "sync", {})
+    for rank, (run, reference) in enumerate(zip(configured, plain)):
+        assert reference["ignored"] == []
+        assert run["ignored"] == [
+            "estimate_dtype=torch.bfloat16 only applies to mode='acco'; sync_every=8, sync_delay='half', "
+            "overlap='keep', outer_optimizer=" + repr(CONFIGURATOR["outer_optimizer"]) + ", outer_bits=8, "
+            "outer_error_feedback=False only apply to mode='local': ignored with mode='sync'"
+        ], f"rank {rank}"
+        assert run["estimate_dtype"] is None
+        assert_params_equal(run["params"], reference["params"])
+
+
+def test_the_configurator_in_the_other_modes_warns_about_the_rest_and_checks_its_own() -> None:
+    """The same keys with mode="acco" or "local": only the other mode's are ignored (one warning);
+    the chosen mode's are used, and a value wrong for it still raises."""
+    with pytest.warns(UserWarning, match=r"^sync_every=8, .*outer_error_feedback=False only apply to mode='local': "
+                                         r"ignored with mode='acco'$") as caught:  # fmt: skip
+        acco = construct(mode="acco", **CONFIGURATOR)
+    assert len([w for w in caught if "ignored with mode" in str(w.message)]) == 1
+    assert acco.estimate_dtype is torch.bfloat16
+    acco.finish()
+    with pytest.warns(UserWarning, match=r"^estimate_dtype=torch.bfloat16 only applies to mode='acco': ignored with "
+                                         r"mode='local'$"):  # fmt: skip
+        local = construct(mode="local", **CONFIGURATOR)
+    assert (local.options.local.sync_every, local.options.local.sync_delay, local.options.local.outer_bits) == (8, 4, 8)
+    local.finish()
+    with pytest.raises(ValueError, match="Invalid sync_every: 0"), pytest.warns(UserWarning, match="estimate_dtype"):
+        construct(mode="local", **{**CONFIGURATOR, "sync_every": 0})
+    with pytest.raises(ValueError, match="not lighter than"), pytest.warns(UserWarning, match="sync_every=8"):
+        construct(mode="acco", **{**CONFIGURATOR, "estimate_dtype": torch.float32})
+    with pytest.raises(ValueError, match="param_dtype"):
+        construct(mode="local", param_dtype=torch.bfloat16)
 
 
 def mismatched_models() -> str:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from acco import AccoOptimizer
-from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, this_rank
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
 from tests.reference import RECURRENCES, loss_fn, make_model, micro_batch, params_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -258,3 +258,44 @@ def test_a_16_bit_reduce_dtype_warns_and_fp32_accumulation_keeps_precision() -> 
         sums[reduce_dtype] = float((opt.sharded_groups[0].grad_shard.double()[:64] / 256 - exact.flatten()).abs().max())
     assert sums[torch.float32] < 1e-6
     assert sums[torch.bfloat16] > 100 * sums[torch.float32]
+
+
+CLIPS = (None, 0, 0.0, MAX_NORM)
+
+
+def clipping_off_rank(modes: tuple[str, ...]) -> dict:
+    """Each mode trained 4 rounds with each of ``CLIPS`` as ``max_grad_norm``."""
+    rank = this_rank()
+    runs = {}
+    for mode in modes:
+        local = {"sync_every": 2} if mode == "local" else {}  # two outer rounds
+        for clip in CLIPS:
+            model = make_model(seed=rank)
+            opt = AccoOptimizer(model, torch.optim.AdamW, mode=mode, max_grad_norm=clip, timeout=TIMEOUT, lr=1e-2,
+                                **local)  # fmt: skip
+            for r in range(4):
+                for i in range(2):
+                    loss_fn(model, *micro_batch(r, rank, i)).backward()
+                    opt.accumulate()
+                opt.step()
+            opt.finish()
+            runs[f"{mode} {clip!r}"] = {"params": params_of(model), "max_grad_norm": opt.max_grad_norm}
+    return runs
+
+
+def test_max_grad_norm_zero_is_no_clipping_in_every_mode(ranks) -> None:
+    """max_grad_norm=0 and 0.0 (nanoGPT's grad_clip=0.0, the HF Trainer's max_grad_norm=0) train
+    bit for bit as None in every mode, on 2 ranks, where a small norm changes the result; a
+    negative norm still raises."""
+    modes = ("sync", "dpu", "acco", "local")
+    results = ranks(2).run(clipping_off_rank, modes)
+    for runs in results:
+        for mode in modes:
+            unclipped = runs[f"{mode} None"]["params"]
+            for clip in (0, 0.0):
+                assert runs[f"{mode} {clip!r}"]["max_grad_norm"] is None
+                assert_params_equal(runs[f"{mode} {clip!r}"]["params"], unclipped)
+            clipped = runs[f"{mode} {MAX_NORM!r}"]["params"]
+            assert any(not torch.equal(clipped[name], unclipped[name]) for name in unclipped), f"{mode}: never clipped"
+    with pytest.raises(ValueError, match="Invalid max_grad_norm: -1.0"):
+        AccoOptimizer(make_model(), torch.optim.AdamW, max_grad_norm=-1.0, lr=1e-2)
