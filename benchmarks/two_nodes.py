@@ -89,6 +89,12 @@ METHODS: dict[str, Spec] = {
                                "fsdp", "local", local={"sync_every": 8, "sync_delay": 4, "overlap": "discard",
                                                        "outer_optimizer": functools.partial(
                                                            torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)}),
+    # Nodes of different speeds (--slow-node): every replica sync_every steps (each waits for the
+    # slowest), or each in proportion to its speed (the library's default pacing).
+    "fsdp-local-h8-lockstep": Spec("FSDP2 inside + acco `local` across, H = 8, blocking, lockstep", "fsdp", "local",
+                                   local={"sync_every": 8, "sync_delay": 0, "pacing": "lockstep"}),
+    "fsdp-local-h8-speed": Spec("FSDP2 inside + acco `local` across, H = 8, blocking, paced by speed", "fsdp",
+                                "local", local={"sync_every": 8, "sync_delay": 0, "pacing": "speed"}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.
     "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
                                     local={"sync_every": 10**9, "sync_delay": 0}),
@@ -117,6 +123,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", default="60mbit", help="tc rate of the link between the two nodes (each direction)")
     add("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     add("--budget", type=float, default=60.0, help="seconds of training per method (the same for all)")
+    add("--slow-node", type=int, default=1, metavar="FACTOR",
+        help="node 1's ranks take FACTOR times longer per micro-batch (they sleep FACTOR - 1 times its CPU time)")
     add("--repeats", type=int, default=2, help="runs of every method, in rotated order; the table shows medians")
     add("--micro-batches", type=common.even, default=4, help="micro-batches per rank per optimizer update")
     add("--lr", type=float, default=3e-3)
@@ -407,15 +415,26 @@ def train_for_budget(name: str, args: argparse.Namespace, config: common.ModelCo
     sent_before = link_bytes()
     window.open()
     clock = AgreedClock()
+    # Node 1's ranks (the second replica group) emulate slower devices with --slow-node.
+    slowdown = float(args.slow_node) if dist.get_rank() // (dist.get_world_size() // 2) == 1 else 1.0
+    # acco's local steps stop on the optimizer's own agreement, at an outer round: the agreed
+    # clock's all-reduce at every inner step would hold paced replicas in lockstep.
+    local_opt = method.opt if method.spec.mode == "local" else None
+    if local_opt is not None:
+        local_opt.stop_after(seconds=args.budget)
     computed = rounds = counted = 0
     while True:
-        record = common.train_round(method, next_batch, before_boundary=lambda _: accounts.append(account(method)))
+        record = common.train_round(method, next_batch, before_boundary=lambda _: accounts.append(account(method)),
+                                    slowdown=slowdown)  # fmt: skip
         accounts.append(account(method))  # and after the boundary (acco: a round in flight)
         computed, rounds = computed + len(record.losses), rounds + 1
         if record.committed:
             counted += 1
             scheduler.step()
-        if clock.budget_reached(clock.exchange(clock.elapsed()), args.budget):
+        if local_opt is not None:
+            if local_opt.should_stop:
+                break
+        elif clock.budget_reached(clock.exchange(clock.elapsed()), args.budget):
             break
     clock.close()
     if method.finish():  # acco: the update in flight lands, on the clock
@@ -444,8 +463,11 @@ def train_for_budget(name: str, args: argparse.Namespace, config: common.ModelCo
     if method.round_stats():
         result["lane"] = common.lane_summary(method.round_stats())
     if method.spec.mode == "local":  # an update is an inner step; outer rounds apart
+        steps = [0.0] * dist.get_world_size()
+        steps[dist.get_rank()] = float(method.opt.num_updates + method.opt.skipped_updates)
         result.update(outer_rounds=method.opt.outer_rounds, inner_steps_per_s=updates / end_s,
-                      sync_delay=method.opt.options.local.sync_delay)
+                      sync_delay=method.opt.options.local.sync_delay,
+                      inner_steps_by_rank=[int(v) for v in common.all_reduce(steps)])
     method.close()
     return result
 
@@ -552,7 +574,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
         "config": {**config.as_dict(), "budget_s": args.budget, "micro_batches_per_update": args.micro_batches,
                    "warmup_updates": args.warmup, "schedule": "linear warm-up, then constant",
                    "eval_batches": args.eval_batches, "rate": args.rate, "repeats": args.repeats,
-                   "nproc_per_node": args.nproc_per_node, "methods": args.methods,
+                   "nproc_per_node": args.nproc_per_node, "methods": args.methods, "slow_node": args.slow_node,
                    "parameters": sum(p.numel() for p in common.build_model(config).parameters())},
         "command": " ".join(["benchmarks/two_nodes.py", *args.argv]),
     }

@@ -22,6 +22,12 @@ while the round in flight is not done instead of idling:
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --slowdown 1:3 --accumulate-while-waiting
 
+Slow links, local steps (an outer round every ``--sync-every`` inner updates; each replica
+takes as many inner updates per round as its speed allows, and every replica stops at the
+outer round after which the fastest could not take another within ``--updates``):
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --mode local --slowdown 1:3
+
 Large models: FSDP2 (or tensor parallelism) inside each replica group, acco across them.
 Four processes as 2 replica groups of 2 ranks (``--mesh RxS``, R*S = the world size):
 
@@ -74,7 +80,9 @@ SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--mode", choices=["acco", "dpu", "sync"], default="acco", help="how rounds overlap communication")
+    add("--mode", choices=["acco", "dpu", "sync", "local"], default="acco", help="how rounds overlap communication")
+    add("--sync-every", type=int, default=None, help="--mode local: inner updates per outer round (default: acco's)")
+    add("--pacing", default=None, help="--mode local: speed or lockstep (default: acco's, speed)")
     add("--device", choices=["cpu", "cuda"], default="cpu")
     add("--backend", default=None, help="torch.distributed backend (default: gloo on cpu, nccl on cuda)")
     add("--data", default=None, help="a text file or a directory of text files (default: Python's stdlib)")
@@ -107,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.mode == "acco" and args.micro_batches_per_update % 2:
         parser.error("--mode acco splits an update into two rounds: --micro-batches-per-update must be even")
+    if args.mode != "local" and (args.sync_every is not None or args.pacing is not None):
+        parser.error("--sync-every and --pacing need --mode local")
+    if args.mode == "local" and args.accumulate_while_waiting:
+        parser.error("--accumulate-while-waiting is for the per-update modes: --mode local paces its replicas itself")
     if args.micro_batches_per_update < 1 or args.updates < 1:
         parser.error("--micro-batches-per-update and --updates must be positive")
     if args.n_embd % args.n_head:
@@ -402,9 +414,11 @@ class Progress:
     ``round_stats``) over the wall time, leaving evaluation and checkpoint time out.
     """
 
-    def __init__(self, opt: AccoOptimizer, sequences_per_micro_batch: int, ranks_per_counted: int = 1) -> None:
+    def __init__(self, opt: AccoOptimizer, sequences_per_micro_batch: int, ranks_per_counted: int = 1,
+                 seq_len: int = 1) -> None:
         self.opt = opt
         self.sequences = sequences_per_micro_batch
+        self.seq_len = seq_len  # tokens per sequence: an outer round counts tokens (the micro-batches' weights)
         # acco counts a replica group's micro-batches once (its ranks reduce one mean
         # gradient); under FSDP each of the group's ranks computed micro-batches of its own.
         self.ranks_per_counted = ranks_per_counted
@@ -434,7 +448,10 @@ class Progress:
         for stats in self.opt.round_stats:
             if stats.index >= self.next_round:
                 rounds.append(stats)
-                self.samples += stats.global_micro_batches * self.ranks_per_counted * self.sequences
+                if getattr(stats, "replicas", None) is not None:  # an outer round: the replicas' tokens since their last one
+                    self.samples += round(stats.global_weight * self.ranks_per_counted / self.seq_len)
+                else:
+                    self.samples += stats.global_micro_batches * self.ranks_per_counted * self.sequences
         if rounds:
             self.next_round = rounds[-1].index + 1
 
@@ -451,11 +468,30 @@ class Progress:
         norms = [r.grad_norm for r in rounds if r.kind is RoundKind.COMMIT and not math.isnan(r.grad_norm)]
         norm = norms[-1] if norms else math.nan
         self.window_start, self.window_paused, self.window_losses = now, 0.0, []
+        reports = [r.replicas for r in rounds if getattr(r, "replicas", None) is not None]
+        if reports:  # mode="local": per replica, inner updates and tokens per outer round; rank 0's waits
+            steps = [statistics.fmean(r.steps[m] for r in reports) for m in range(len(reports[0].steps))]
+            tokens = [statistics.fmean(r.weights[m] for r in reports) for m in range(len(reports[0].steps))]
+            waited = math.fsum(r.wait_seconds for r in rounds if not math.isnan(r.wait_seconds))
+            return (
+                f"update {update:4d}/{updates} | train loss (rank 0) {loss:.4f} | lr {lr:.2e} | {rate:7.1f} samples/s | "
+                f"steps/round per replica {' '.join(f'{s:.1f}' for s in steps)} | tokens/round "
+                f"{' '.join(f'{t:.0f}' for t in tokens)} | rank 0 waited {waited:.1f} s | {now - self.start:6.1f} s"
+            )
         return (
             f"update {update:4d}/{updates} | train loss (rank 0) {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f} | "
             f"{rate:7.1f} samples/s | micro-batches/round rank 0 {local:.1f} all {total:.1f} | "
             f"comm hidden {hidden:4.0%} | {now - self.start:6.1f} s"
         )
+
+
+def gathered_updates(opt: AccoOptimizer, ctx: Dist) -> list[float]:
+    """Every rank's inner updates (mode="local"), on every rank."""
+    counts = torch.zeros(ctx.world_size, dtype=torch.float64)
+    counts[ctx.rank] = opt.num_updates
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return counts.tolist()
 
 
 def data_parallel_ranks(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
@@ -523,8 +559,10 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         mode=args.mode,
         lr=args.lr,
         betas=(0.9, 0.95),
-        max_grad_norm=args.grad_clip or None,
+        max_grad_norm=args.grad_clip,
         timeout=datetime.timedelta(seconds=args.timeout),
+        **({name: value for name, value in (("sync_every", args.sync_every), ("pacing", args.pacing))
+            if value is not None} if args.mode == "local" else {}),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.warmup, args.updates))
 
@@ -554,7 +592,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         + (f" | mesh {args.mesh[0]}x{args.mesh[1]}, {args.inner} inside" if args.mesh else "")
         + (" (or more, while the round in flight is not done)" if args.accumulate_while_waiting else ""),
     )
-    progress = Progress(opt, args.batch_size, ranks_per_counted)
+    progress = Progress(opt, args.batch_size, ranks_per_counted, args.seq_len)
     if first_round == 0:
         print0(ctx, f"update    0 | eval loss {timed(progress, evaluate, model, eval_set):.4f}")
 
@@ -575,6 +613,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         progress.micro_batch(loss)
 
     def end_round(next_round: int) -> None:
+        rounds_before = opt.outer_rounds
         if not opt.step():
             return
         scheduler.step()  # once per committed update
@@ -582,11 +621,40 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         if update % args.log_every == 0:
             print0(ctx, progress.line(update, args.updates, scheduler.get_last_lr()[0]))
         if args.eval_every and update % args.eval_every == 0 and update < args.updates:
-            print0(ctx, f"update {update:4d} | eval loss {timed(progress, evaluate, model, eval_set):.4f}")
-        if args.ckpt_dir and args.ckpt_every and update % args.ckpt_every == 0 and update < args.updates:
+            print0(ctx, f"update {update:4d} | eval loss {timed(progress, evaluate_committed, model, eval_set):.4f}")
+        if not (args.ckpt_dir and args.ckpt_every):
+            return
+        if args.mode == "local":
+            # Replicas may take different numbers of inner updates (pacing): a checkpoint, which is
+            # collective, is taken at an outer round, which every replica lands.
+            every = max(1, args.ckpt_every // opt.options.local.sync_every)
+            if opt.outer_rounds != rounds_before and opt.outer_rounds % every == 0 and not opt.should_stop:
+                timed(progress, save_checkpoint, next_round)
+        elif update % args.ckpt_every == 0 and update < args.updates:
             timed(progress, save_checkpoint, next_round)
 
-    if args.accumulate_while_waiting:
+    def evaluate_committed(model: nn.Module, eval_set: list[tuple[Tensor, Tensor]]) -> float:
+        """The held-out loss; in local mode of the global values (this replica's own parameters
+        set aside meanwhile: eval() and train() are not collective)."""
+        if args.mode != "local":
+            return evaluate(model, eval_set)
+        opt.eval()
+        try:
+            return evaluate(model, eval_set)
+        finally:
+            opt.train()
+
+    if args.mode == "local":
+        # Each replica its own number of inner updates per outer round; every replica stops at
+        # the same round (opt.should_stop), decided at an outer round, never at a step count.
+        opt.stop_after(steps=args.updates)
+        round_index = first_round
+        while not opt.should_stop:
+            for _ in range(per_round):
+                micro_batch()
+            round_index += 1
+            end_round(round_index)
+    elif args.accumulate_while_waiting:
         # Heterogeneous ranks: after the usual micro-batches, keep accumulating until the
         # round in flight has landed. Every rank stops on the same round: the number of
         # updates, counting the one in flight, is the same everywhere at every boundary.
@@ -609,7 +677,11 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         scheduler.step()
     if progress.window_losses:
         print0(ctx, progress.line(opt.num_updates, args.updates, scheduler.get_last_lr()[0]))
-    if opt.num_updates != args.updates:
+    if args.mode == "local":
+        print0(ctx, f"local steps: {opt.outer_rounds} outer rounds; inner updates per replica "
+                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (at most {args.updates}); last plan "
+                    f"{opt.replica_steps} steps per round")
+    elif opt.num_updates != args.updates:
         raise AssertionError(f"trained {opt.num_updates} updates, expected {args.updates}")
 
     final = timed(progress, evaluate, model, eval_set)

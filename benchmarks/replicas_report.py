@@ -1,0 +1,163 @@
+"""Replicas of different speeds: the tables and the picture of docs/loops.md, "Replicas of
+different speeds" (no training here; it reads time_to_loss.py's runs).
+
+    python benchmarks/replicas_report.py      # tables on stdout, docs/replicas_slow3.png
+
+The runs it reads were made by (about 45 minutes in all, as root for the rate-limited loopback;
+rank 1 sleeps twice each micro-batch's CPU time with --slow 3, nothing with --slow 1)::
+
+    M="local-h16-lockstep local-h16 diloco-h16 acco-aww-balanced"
+    S="--seeds 1337 7 42 --budget 60 --no-report"
+    sudo $(which python) benchmarks/time_to_loss.py --slow 3 --links comm~compute --rates 50mbit --methods $M $S \\
+        --out benchmarks/results/replicas-slow3-50mbit.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 3 --links comm~compute --rates 500mbit --methods $M $S \\
+        --out benchmarks/results/replicas-slow3-500mbit.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 1 --links comm~compute --rates 500mbit \\
+        --methods local-h16-lockstep local-h16 $S --out benchmarks/results/replicas-slow1-500mbit.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 1 --links comm~compute --rates 50mbit \\
+        --methods local-h16-lockstep local-h16 $S --out benchmarks/results/replicas-slow1-50mbit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import common
+
+RATES = ("50mbit", "500mbit")
+FIGURE = common.REPO_ROOT / "docs" / "replicas_slow3.png"
+LABELS = {
+    "local-h16-lockstep": "acco local, H = 16, lockstep (every replica 16 steps: the fast one waits)",
+    "local-h16": "acco local, H = 16, the default: paced by speed, token-weighted",
+    "diloco-h16": "DiLoCo (torchft), H = 16",
+    "acco-aww-balanced": "acco `ready()` loop, slow rank's micro-batches 1/3",
+}
+
+
+def load(slow: int, rate: str) -> dict[str, Any] | None:
+    path = common.RESULTS_DIR / f"replicas-slow{slow}-{rate}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def per_method(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each method's results, one per seed."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        for name, result in run["methods"].items():
+            if "final_loss" in result:
+                out.setdefault(name, []).append(result)
+    return out
+
+
+def fast_steps(result: dict[str, Any]) -> float:
+    """The fast replica's (rank 0's) inner steps (local, DiLoCo) or updates (the ready() loop)."""
+    if "inner_steps_by_rank" in result:
+        return result["inner_steps_by_rank"][0]
+    return result.get("inner_steps", result["updates"])
+
+
+def spread(values: list[float], digits: int = 4) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def slow_table() -> str:
+    rows, header = [], ["method"]
+    columns = [(rate, load(3, rate), load(1, rate)) for rate in RATES]
+    for rate, _, _ in columns:
+        header += [f"{rate}: held-out loss", f"{rate}: fast replica's steps (x --slow 1)"]
+    names = list(LABELS)
+    for name in names:
+        row = [LABELS[name]]
+        for rate, slow, equal in columns:
+            results = per_method(slow).get(name, []) if slow else []
+            if not results:
+                row += ["-", "-"]
+                continue
+            row.append(spread([r["final_loss"] for r in results]))
+            steps = statistics.median(fast_steps(r) for r in results)
+            base = per_method(equal).get(name, []) if equal else []
+            ratio = f" (x{steps / statistics.median(fast_steps(r) for r in base):.2f})" if base else ""
+            row.append(f"{steps:.0f}{ratio}")
+        rows.append(row)
+    return common.md_table(header, rows)
+
+
+def equal_table() -> str:
+    rows = []
+    for rate in RATES:
+        data = load(1, rate)
+        if data is None:
+            continue
+        for name, results in per_method(data).items():
+            rows.append([rate, LABELS.get(name, name), spread([r["final_loss"] for r in results]),
+                         f"{statistics.median(fast_steps(r) for r in results):.0f}",
+                         f"{statistics.median(statistics.fmean(r.get('steps_per_round_by_rank', [0])) for r in results):.1f}"])
+    return common.md_table(["link", "method", "held-out loss", "rank 0's inner steps", "steps per round"], rows)
+
+
+def telemetry_table() -> str:
+    """The --slow 3 runs' per-replica telemetry of acco's local methods (medians over seeds)."""
+    rows = []
+    for rate in RATES:
+        data = load(3, rate)
+        if data is None:
+            continue
+        for name, results in per_method(data).items():
+            if "steps_per_round_by_rank" not in results[0]:
+                continue
+            for rank in range(len(results[0]["steps_per_round_by_rank"])):
+                rows.append([rate, name, str(rank), f"{statistics.median(r['inner_steps_by_rank'][rank] for r in results):.0f}",
+                             f"{statistics.median(r['steps_per_round_by_rank'][rank] for r in results):.1f}",
+                             f"{statistics.median(r['wait_share_by_rank'][rank] for r in results):.2f}"])
+    return common.md_table(["link", "method", "rank", "inner steps", "steps per round", "share of time waiting"], rows)
+
+
+def draw(path: Path) -> str:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, len(RATES), figsize=(13, 5), sharey=True)
+    for ax, rate in zip(axes, RATES):
+        data = load(3, rate)
+        if data is None:
+            continue
+        for number, (name, label) in enumerate(LABELS.items()):
+            runs = [r["points"] for r in per_method(data).get(name, [])]
+            if not runs:
+                continue
+            colour = f"C{number}"
+            for points in runs:
+                ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=colour, lw=0.6, alpha=0.35)
+            length = min(len(points) for points in runs)
+            times = [statistics.median(points[i]["elapsed_s"] for points in runs) for i in range(length)]
+            losses = [statistics.median(points[i]["loss"] for points in runs) for i in range(length)]
+            final = statistics.median(points[-1]["loss"] for points in runs)
+            ax.plot(times, losses, color=colour, lw=2.2, label=f"{label}: {final:.3f}")
+        ax.set(xlabel="training seconds (evaluations excluded)", title=f"{rate.replace('mbit', ' Mbit/s')}")
+        ax.set_ylim(top=min(5.0, ax.get_ylim()[1]))
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out loss")
+    fig.suptitle("2 ranks, rank 1 three times slower, 60 s each; thin: seeds 1337, 7, 42, thick: their median "
+                 "(final in the legend)", fontsize=10)
+    return common.save_figure(fig, path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=FIGURE)
+    parser.add_argument("--no-figure", action="store_true")
+    args = parser.parse_args()
+    print("rank 1 three times slower (--slow 3); medians of 3 seeds (min-max):\n")
+    print(slow_table())
+    print("\nequal speeds (--slow 1):\n")
+    print(equal_table())
+    print("\nper replica, --slow 3:\n")
+    print(telemetry_table())
+    if not args.no_figure:
+        print(f"\nwrote {args.out.parent / draw(args.out)}")
+
+
+if __name__ == "__main__":
+    main()
