@@ -101,7 +101,8 @@ class Pacing:
     launches after ``plan[r]`` steps: its schedule's, or with ``"speed"`` the last landed
     round's report's: ``plan[r] = clamp(floor(H t_min / t_r + 1/2), max(1, D), H)``, so the
     fastest takes ``H = sync_every`` and a round takes about the same time on each; the first
-    round is a quarter round each (nothing is measured yet).
+    round is a quarter round each (nothing is measured yet); a replica within one step of the
+    fastest takes ``H`` too.
 
     Attributes:
         options: ``sync_every``, ``sync_delay``, ``pacing``.
@@ -264,15 +265,22 @@ class Pacing:
 
     def speed_plan(self, report: ReplicaReport) -> list[int]:
         """Steps in proportion to each replica's measured speed, the fastest ``sync_every``
-        (at least the delay a round lands after); the plan as it was while any replica's
-        speed is unmeasured."""
+        (at least the delay a round lands after; ``sync_every`` for a replica that would take
+        more than ``sync_every - 1``); the plan as it was while any replica's speed is
+        unmeasured."""
         seconds = report.step_seconds
         if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
             return self.plan
         every, delay = self.options.sync_every, self.options.sync_delay
         least = max(1, delay) if isinstance(delay, int) else 1
         fastest = min(seconds)
-        return [min(every, max(least, math.floor(every * fastest / s + 0.5))) for s in seconds]
+        plan = []
+        for s in seconds:
+            steps = every * fastest / s  # what this replica does in the fastest's round
+            # Within one step of the fastest: a full round (the others wait less than a step; a
+            # measurement's noise does not take a step off a replica as fast as the others).
+            plan.append(every if steps > every - 1 else max(least, math.floor(steps + 0.5)))
+        return plan
 
     def stop_after(self, steps: int | None, seconds: float | None) -> None:
         """A budget this replica enforces (:meth:`check_budget` at every inner step).
