@@ -37,15 +37,16 @@ from acco.collectives import Collectives
 from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor
-from acco.options import SPEED, LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, Weighting, base_hyperparams
+from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.quantize import BlockCodec, RowBlocks
+from acco.replicas import HandOver, Pacing, ReplicaReport
 from acco.rounds import LaneRound
 from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
 from acco.telemetry import RoundStats
 
-__all__ = ["HandOver", "InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner", "QuantizedLegs", "ReplicaReport"]
+__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner", "QuantizedLegs"]
 
 
 class LocalLoop(Loop):
@@ -96,13 +97,8 @@ class LocalLoop(Loop):
         legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values, self.residuals)
         self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args(),
                                      common_terms=self.common_terms)
-        self.clock.replica, self.clock.replicas = self.lane_work.replica, self.lane_work.replicas
-        self.clock.plan = self.clock.first_plan()
-        if len(self.clock.plan) != self.clock.replicas:
-            raise ValueError(
-                f"Invalid pacing: {local.pacing!r} gives {len(self.clock.plan)} replicas' inner steps, and there are "
-                f"{self.clock.replicas} replicas (one entry per replica, in process-group order)"
-            )
+        self.pacing = self.clock.pacing  # who takes part in a round, how many steps each: acco.replicas
+        self.pacing.join(self.lane_work.replica, self.lane_work.replicas)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
 
     @staticmethod
@@ -118,13 +114,7 @@ class LocalLoop(Loop):
                 "step() between opt.eval() and opt.train(): the model holds the global values, not this replica's "
                 "parameters; call opt.train() before the next forward pass"
             )
-        if self.clock.peer_finished:
-            raise RuntimeError(
-                f"step() after replica(s) {self.clock.peer_finished} called finish(): the replicas take different numbers "
-                "of inner steps (pacing), so a loop must stop on opt.should_stop, which turned True on every replica "
-                "at the same outer round (opt.stop_after(steps=...) or opt.request_stop(); docs/loops.md, \"Replicas "
-                "of different speeds\"); call opt.finish() now"
-            )
+        self.pacing.check_step()
         clock, weights, options = self.clock, self._schedule.take_round_weights(), self._parts.options
         try:
             with self._parts.folder.views_released():
@@ -142,7 +132,7 @@ class LocalLoop(Loop):
             self._launch()
             if not clock.options.overlaps:
                 self._land()
-        clock.check_budget()
+        self.pacing.check_budget(clock.inner_steps)
         return updated
 
     def ready(self) -> bool:
@@ -163,17 +153,15 @@ class LocalLoop(Loop):
         committed = self._schedule.in_flight is not None
         if committed:
             self._land()
-        if clock.peer_finished:  # their last round was the one just landed: end at its global values
-            for group, values in zip(self._groups, self.global_values):
-                group.load_params(values)
-            clock.unsynced = False
-        elif clock.unsynced or not clock.options.lockstep:
-            # Paced replicas cannot know whether the others hold steps no round has carried: the
-            # last round runs on every replica (those with none weigh nothing in it).
-            clock.finishing = True
+        if self.pacing.finish_runs_last_round(clock.unsynced):
+            self.pacing.finishing = True
             self._launch()
             self._land(discard=True)
             committed = True
+        elif clock.unsynced:  # another replica finished: its last round was the one just landed
+            for group, values in zip(self._groups, self.global_values):
+                group.load_params(values)
+            clock.unsynced = False
         return committed
 
     def _launch(self) -> None:
@@ -195,7 +183,7 @@ class LocalLoop(Loop):
             else:
                 torch._foreach_copy_(clock.handed_over, params)
         round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
-                            buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=clock.hand_over())  # fmt: skip
+                            buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=self.pacing.hand_over())  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
 
@@ -205,9 +193,8 @@ class LocalLoop(Loop):
         clock, round_ = self.clock, self._schedule.take_in_flight()
         started = time.perf_counter()
         stats = self._schedule.wait(round_)
-        clock.waited += time.perf_counter() - started
-        report = getattr(round_, "report", None)  # a replayed round has none: the saved one
-        clock.landed(report if report is not None else clock.flight_report)
+        self.pacing.waited_for_round(time.perf_counter() - started)
+        self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         # "keep"'s landing leaves the start's offset from the new global values in handed_over.
@@ -235,6 +222,24 @@ class LocalLoop(Loop):
 
     def global_parameters(self) -> list[list[Tensor]]:
         return [[view.clone() for view in group.views(values)] for group, values in zip(self._groups, self.global_values)]
+
+    def request_stop(self) -> None:
+        self.pacing.stop_requested = True
+
+    def stop_after(self, steps: int | None, seconds: float | None) -> None:
+        self.pacing.stop_after(steps, seconds)
+
+    @property
+    def should_stop(self) -> bool:
+        return self.pacing.should_stop
+
+    @property
+    def replica(self) -> int:
+        return self.pacing.replica
+
+    @property
+    def replica_steps(self) -> list[int]:
+        return list(self.pacing.plan)
 
     def eval(self) -> None:
         """Put the global values of the last landed round in the model, this replica's
@@ -276,7 +281,7 @@ class LocalLoop(Loop):
         # consolidate_state_dict). Its pending gradients too: they are this replica's, not a
         # share of a sum over ranks (pending_sums_across_ranks), so a consolidated state keeps them apart.
         in_flight = self._schedule.in_flight
-        report = getattr(in_flight, "report", None) or self.clock.flight_report
+        report = getattr(in_flight, "report", None) or self.pacing.flight_report
         report = None if report is None else report.as_dict()
         return {
             **self.clock.state_dict(),
@@ -745,82 +750,15 @@ class InnerSteps:
             optimizer.load_state_dict(state)
 
 
-@dataclass(frozen=True)
-class HandOver:
-    """What a replica tells the others with its parameters at an outer round's launch.
-
-    Attributes:
-        steps: inner steps it took since its last hand-over.
-        weight: the ``accumulate()`` weights of those steps' updates (its tokens, or
-            micro-batches by default): its pseudo-gradient's weight in the mean.
-        step_seconds: its seconds per inner step over them, the time ``step()`` waited for a
-            round left out (0: not measured).
-        stop: it asks every replica to stop (``request_stop()``) at this round.
-        finishing: the round is its last (``finish()``).
-    """
-
-    steps: int
-    weight: float
-    step_seconds: float
-    stop: bool = False
-    finishing: bool = False
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """Every replica's :class:`HandOver` for one outer round, by replica (the same on every
-    rank: it travels in the round's first, small all-reduce)."""
-
-    steps: tuple[int, ...]
-    weights: tuple[float, ...]
-    step_seconds: tuple[float, ...]
-    stop: tuple[bool, ...]
-    finishing: tuple[bool, ...]
-
-    def factors(self, weighting: Weighting) -> list[float] | None:
-        """Each replica's pseudo-gradient's factor in the mean over replicas (they sum to the
-        number of replicas); None: every replica counts once, as equal weights give."""
-        count = len(self.weights)
-        if weighting is Weighting.EQUAL or len(set(self.weights)) == 1 and len(set(self.steps)) == 1:
-            return None
-        total = sum(self.weights)
-        if total == 0:
-            return [0.0] * count
-        shares = [weight / total for weight in self.weights]
-        if weighting is Weighting.TOKENS:
-            return [count * share for share in shares]
-        # NORMALIZED (FedNova): sum_r p_r (Delta_r / tau_r) times tau_eff = sum_r p_r tau_r.
-        effective = sum(share * steps for share, steps in zip(shares, self.steps))
-        return [count * share * effective / steps if steps else 0.0 for share, steps in zip(shares, self.steps)]
-
-    def as_dict(self) -> dict[str, list]:
-        return {"steps": list(self.steps), "weights": list(self.weights), "step_seconds": list(self.step_seconds),
-                "stop": list(self.stop), "finishing": list(self.finishing)}  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, saved: dict[str, list]) -> ReplicaReport:
-        return cls(*(tuple(saved[name]) for name in ("steps", "weights", "step_seconds", "stop", "finishing")))
-
-
 @dataclass
 class LocalClock:
-    """When outer rounds launch and land, counted in this replica's inner steps, and how
-    many each replica takes per round (``pacing``).
-
-    With ``pacing="lockstep"`` (or a schedule giving every replica the same count) every
-    replica launches every ``sync_every`` steps, the same on every rank. Otherwise replica r
-    launches after ``plan[r]`` steps: from its schedule, or, with ``"speed"``, from the last
-    landed round's report (every replica's seconds per step): the fastest ``sync_every``, the
-    others in proportion to their speed, so a round takes about the same time on each. Every
-    rank computes the same plan from the same report.
+    """When outer rounds launch and land, counted in this replica's inner steps; how many
+    steps each replica takes per round, and when every replica stops, is :attr:`pacing`'s.
 
     Attributes:
-        options: ``sync_every``, ``sync_delay``, ``overlap``, ``pacing``.
-        replica / replicas: this replica's number and how many there are.
-        plan: each replica's inner steps in the current round.
+        options: ``sync_every``, ``sync_delay``, ``overlap``.
+        pacing: this replica's part in the rounds (:class:`acco.replicas.Pacing`).
         inner_steps: ``step()`` calls so far.
-        round_steps / round_weight: the inner steps since the last launch, and the weights of
-            their updates (what the next hand-over reports).
         launched_at: the inner step the round in flight was launched after (None: none).
         unsynced: the live parameters hold progress that no outer round has carried yet.
         outer_rounds / skipped_outer_rounds: landed outer rounds, and those that changed
@@ -830,68 +768,26 @@ class LocalClock:
             then holds that start's offset from the new global values.
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay: what the landing subtracts), or None.
-        stop_requested / should_stop: this replica asks to stop at its next launch; some
-            replica asked, in a round that has landed (the same round on every replica).
-        finishing / peer_finished: this replica's next launch is its last (``finish()``);
-            the replicas that ended with a round this one landed as a regular one.
-        last_report: the report of the last landed round (None before the first).
-        flight_report: the round in flight's report when a checkpoint saved it (a replayed
-            round has none of its own).
-        stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps; a deadline on
-            ``time.perf_counter()``), None: none.
     """
 
     options: LocalOptions
-    replica: int = 0
-    replicas: int = 1
-    plan: list[int] = field(default_factory=list)
+    pacing: Pacing = field(init=False)
     inner_steps: int = 0
-    round_steps: int = 0
-    round_weight: float = 0.0
     launched_at: int | None = None
     unsynced: bool = False
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
     offset_steps: int = 0
-    stop_requested: bool = False
-    should_stop: bool = False
-    finishing: bool = False
-    peer_finished: list[int] = field(default_factory=list)
-    last_report: ReplicaReport | None = None
-    flight_report: ReplicaReport | None = None
-    stop_steps: int | None = None
-    stop_seconds: float | None = None
-    # Wall-clock measurement (not saved): since the last launch (the first from the end of the
-    # first step: what came before it is not this replica's pace), the steps and the waits for a
-    # round in that time.
-    busy_since: float = field(default_factory=time.perf_counter)
-    timing: bool = False
-    timed_steps: int = 0
-    waited: float = 0.0
-    round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
-    pace: float = 0.0  # seconds per step over the last round (0: not measured)
 
     def __post_init__(self) -> None:
-        if not self.plan:
-            self.plan = self.first_plan()
+        self.pacing = Pacing(self.options)
 
-    def first_plan(self) -> list[int]:
-        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each, at
-        least 2 (no speed is measured yet: a slow replica holds the others up for a quarter
-        round, once; its pace is timed from the end of its first step)."""
-        pacing, every = self.options.pacing, self.options.sync_every
-        if isinstance(pacing, tuple):
-            return list(pacing)
-        if pacing == SPEED:
-            delay = self.options.sync_delay
-            return [min(every, max(every // 4, delay if isinstance(delay, int) else 0, 2))] * self.replicas
-        return [every] * self.replicas
-
-    @property
-    def target(self) -> int:
-        """This replica's inner steps in the current round."""
-        return self.plan[self.replica] if self.replica < len(self.plan) else self.options.sync_every
+    def stepped(self, weight: float) -> None:
+        """An inner step ended (``weight``: its update's, 0 if none was applied)."""
+        self.inner_steps += 1
+        self.unsynced = True
+        self.pacing.stepped(weight)
 
     def lands_after(self, steps: int, done: bool) -> bool:
         """Whether the round in flight lands once ``steps`` inner steps are done (``done``:
@@ -901,100 +797,11 @@ class LocalClock:
             return False
         since = steps - self.launched_at
         if self.options.auto_delay:
-            return since > 0 and (done or since >= self.target)
+            return since > 0 and (done or since >= self.pacing.target)
         return since >= self.options.sync_delay
 
     def launches_now(self) -> bool:
-        if self.options.lockstep:
-            return self.inner_steps % self.options.sync_every == 0
-        return self.round_steps >= self.target
-
-    def steps_to_launch(self) -> int:
-        """Inner steps this replica takes before its next launch (the current round's)."""
-        if self.options.lockstep:
-            return self.options.sync_every - self.inner_steps % self.options.sync_every
-        return max(self.target - self.round_steps, 0)
-
-    def stepped(self, weight: float) -> None:
-        """An inner step ended (``weight``: its update's, 0 if none was applied)."""
-        self.inner_steps += 1
-        self.round_steps += 1
-        self.round_weight += weight
-        self.unsynced = True
-        if not self.timing:
-            self.busy_since, self.waited, self.timing = time.perf_counter(), 0.0, True
-        else:
-            self.timed_steps += 1
-
-    def seconds_per_step(self, now: float) -> float:
-        """This replica's pace since the last launch (0: not measured yet)."""
-        return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
-
-    def current_pace(self, now: float) -> float:
-        """Seconds per step: since the last launch, else over the last round (0: unknown)."""
-        return self.seconds_per_step(now) or self.pace
-
-    def hand_over(self) -> HandOver:
-        """What the launch now tells the others; the round's counters start again."""
-        now = time.perf_counter()
-        report = HandOver(self.round_steps, self.round_weight, self.seconds_per_step(now), self.stop_requested,
-                          self.finishing)  # fmt: skip
-        self.round_wall = now - self.busy_since if self.timed_steps == self.round_steps else 0.0
-        self.pace = report.step_seconds or self.pace
-        self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
-        self.round_steps, self.round_weight = 0, 0.0
-        return report
-
-    def landed(self, report: ReplicaReport | None) -> None:
-        """A round landed with ``report``: the stop agreed, the next plan."""
-        self.flight_report = None
-        if report is None:
-            return
-        self.last_report = report
-        if any(report.stop):
-            self.should_stop = True
-        if any(report.finishing) and not self.finishing:
-            self.should_stop = True
-            self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
-        if self.options.pacing == SPEED:
-            self.plan = self.speed_plan(report)
-
-    def speed_plan(self, report: ReplicaReport) -> list[int]:
-        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``
-        (at least the delay a round lands after); the plan as it was while any replica's
-        speed is unmeasured."""
-        seconds = report.step_seconds
-        if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
-            return self.plan
-        every, delay = self.options.sync_every, self.options.sync_delay
-        least = max(1, delay) if isinstance(delay, int) else 1
-        fastest = min(seconds)
-        return [min(every, max(least, math.floor(every * fastest / s + 0.5))) for s in seconds]
-
-    def stop_after(self, steps: int | None, seconds: float | None) -> None:
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"Invalid steps: {steps!r} (an int >= 1: inner steps of the fastest replica)")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0):
-            raise ValueError(f"Invalid seconds: {seconds!r} (a number > 0)")
-        self.stop_steps = steps
-        self.stop_seconds = None if seconds is None else time.perf_counter() + float(seconds)
-
-    def check_budget(self) -> None:
-        """``stop_after()``: ask to stop at the next launch once the round after it would end
-        past ``steps`` (the fastest replica's ``sync_every`` a round), or, for ``seconds``,
-        once the next launch is nearer the deadline than the end of the round after it (the
-        last round's time as the measure: within half a round of the budget)."""
-        if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
-            return
-        ahead = self.steps_to_launch()
-        if self.stop_steps is not None and self.inner_steps + ahead + self.options.sync_every > self.stop_steps:
-            self.stop_requested = True
-        now = time.perf_counter()
-        per_step = self.current_pace(now)
-        if self.stop_seconds is not None and per_step:
-            next_round = self.round_wall or self.options.sync_every * per_step  # before any whole round: its steps
-            if now + ahead * per_step + next_round / 2 > self.stop_seconds:
-                self.stop_requested = True
+        return self.pacing.launches_now(self.inner_steps)
 
     @property
     def keeps_progress(self) -> bool:
@@ -1008,8 +815,8 @@ class LocalClock:
         return self.options.overlap is Overlap.ESTIMATE and self.options.overlaps
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters, the plan and the stop (``handed_over`` is the optimizer's to save, per
-        parameter); the round in flight's report if it has one."""
+        """The counters and the pacing's state (``handed_over`` is the optimizer's to save, per
+        parameter)."""
         return {
             "inner_steps": self.inner_steps,
             "launched_at": self.launched_at,
@@ -1017,27 +824,13 @@ class LocalClock:
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
             "offset_steps": self.offset_steps,
-            "plan": list(self.plan),
-            "hand_over_steps": self.round_steps,
-            "hand_over_weight": self.round_weight,
-            "stop_requested": self.stop_requested,
-            "should_stop": self.should_stop,
-            "stop_steps": self.stop_steps,
+            **self.pacing.state_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any], flight_report: ReplicaReport | None = None) -> None:
-        """A state saved at another number of replicas restarts the plan (``first_plan``)."""
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
         self.offset_steps = int(saved.get("offset_steps", 0))
-        plan = saved.get("plan")
-        self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()
-        every = self.options.sync_every
-        self.round_steps = int(saved.get("hand_over_steps", self.inner_steps % every if self.launched_at is None else
-                                         self.inner_steps - self.launched_at))  # fmt: skip
-        self.round_weight = float(saved.get("hand_over_weight", 0.0))
-        self.stop_requested, self.should_stop = bool(saved.get("stop_requested")), bool(saved.get("should_stop"))
-        self.stop_steps = saved.get("stop_steps")
-        self.flight_report = flight_report
-        self.timing, self.timed_steps, self.waited, self.round_wall, self.pace = False, 0, 0.0, 0.0, 0.0
+        since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
+        self.pacing.load_state_dict(saved, since, flight_report)

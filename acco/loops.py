@@ -179,6 +179,25 @@ class Loop:
     def global_parameters(self) -> list[list[Tensor]]:
         raise RuntimeError(f"global_parameters(): mode='local' only (this optimizer is mode={self.mode.value!r})")
 
+    # Replicas that take their own numbers of steps and stop together (mode="local",
+    # acco.replicas); in the per-update modes every rank takes the same updates.
+    should_stop = False
+    replica = 0
+
+    @property
+    def replica_steps(self) -> list[int]:
+        return []
+
+    def request_stop(self) -> None:
+        raise RuntimeError(self._stop_refusal("request_stop()"))
+
+    def stop_after(self, steps: int | None, seconds: float | None) -> None:
+        raise RuntimeError(self._stop_refusal("stop_after()"))
+
+    def _stop_refusal(self, verb: str) -> str:
+        return (f"{verb}: mode='local' only (in mode={self.mode.value!r} every rank takes the same updates: stop at an "
+                "update count)")
+
     @property
     def base_optimizers(self) -> list[torch.optim.Optimizer | None]:
         """The base optimizer on this rank's shards (empty where it runs elsewhere)."""

@@ -475,7 +475,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: another mode (every rank takes the same updates: stop at a count).
         """
-        self._local_clock("request_stop()").stop_requested = True
+        self._loop.request_stop()
 
     def stop_after(self, steps: int | None = None, seconds: float | None = None) -> None:
         """``mode="local"``: a budget this replica enforces with :meth:`request_stop`: it asks
@@ -489,34 +489,26 @@ class AccoOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: another mode. ValueError: a budget that is not positive.
         """
-        self._local_clock("stop_after()").stop_after(steps, seconds)
+        self._loop.stop_after(steps, seconds)
 
     @property
     def should_stop(self) -> bool:
         """``mode="local"``: some replica asked to stop (or finished) in an outer round that has
         landed: True on every replica from the same round on (False in other modes)."""
-        return self.mode is Mode.LOCAL and self._loop.clock.should_stop
+        return self._loop.should_stop
 
     @property
     def replica(self) -> int:
         """``mode="local"``: this rank's replica, numbered as in :attr:`replica_steps` and in
         each outer round's ``RoundStats.replicas`` (its rank among the replicas); 0 in other
         modes."""
-        return self._loop.clock.replica if self.mode is Mode.LOCAL else 0
+        return self._loop.replica
 
     @property
     def replica_steps(self) -> list[int]:
         """``mode="local"``: each replica's inner steps in the current outer round (``pacing``),
         by replica; empty in other modes."""
-        return list(self._loop.clock.plan) if self.mode is Mode.LOCAL else []
-
-    def _local_clock(self, verb: str) -> Any:
-        if self.mode is not Mode.LOCAL:
-            raise RuntimeError(
-                f"{verb}: mode='local' only (in mode={self.mode.value!r} every rank takes the same updates: stop at an "
-                "update count)"
-            )
-        return self._loop.clock
+        return self._loop.replica_steps
 
     def global_parameters(self) -> list[list[Tensor]]:
         """``mode="local"``: copies of the global values the last outer round landed (the

@@ -17,7 +17,7 @@ import pytest
 from acco import RoundKind
 from examples.train_gpt import Progress, data_parallel_ranks
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 def args(mesh: tuple[int, int] | None, inner: str = "fsdp") -> argparse.Namespace:
@@ -44,3 +44,31 @@ def test_a_2x2_fsdp_mesh_logs_every_ranks_micro_batches() -> None:
     progress = Progress(opt, sequences_per_micro_batch=5, ranks_per_counted=per_counted)
     assert "micro-batches/round rank 0 2.0 all 8.0" in progress.line(3, 10, 1e-3)
     assert progress.samples == 3 * 8 * 5
+
+
+def test_the_example_in_local_mode_paces_a_slow_rank(tmp_path) -> None:
+    """examples/train_gpt.py --mode local with rank 1 three times slower (it repeats each
+    backward twice): the default pacing gives it fewer inner updates per outer round, the fast
+    replica takes at most --updates, both stop at the same outer round and exit 0, and the
+    progress lines carry each replica's steps and tokens per round."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+               "--mode", "local", "--slowdown", "1:3", "--sync-every", "8", "--updates", "64", "--log-every", "16",
+               "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
+               "--max-bytes", "200000", "--eval-batches", "2", "--eval-every", "32", "--timeout", "60"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = re.search(r"inner updates per replica \[(\d+), (\d+)\] \(at most 64\)", done.stdout)
+    assert counts is not None, done.stdout[-3000:]
+    fast, slow = int(counts.group(1)), int(counts.group(2))
+    assert 48 <= fast <= 64 and slow < fast, (fast, slow)
+    plan = re.search(r"last plan \[8, (\d+)\] steps per round", done.stdout)
+    assert plan is not None and int(plan.group(1)) <= 4, done.stdout[-3000:]
+    assert re.search(r"steps/round per replica [\d.]+ [\d.]+", done.stdout), done.stdout[-3000:]
+    assert "tokens/round" in done.stdout and "eval loss" in done.stdout

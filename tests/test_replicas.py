@@ -267,3 +267,45 @@ def test_stop_is_local_mode_only_and_checked() -> None:
         AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, pacing=[4, 2], lr=1e-3)
     with pytest.raises(ValueError, match="outer_weighting"):
         AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_weighting="loss", lr=1e-3)
+
+
+def resume_speed_rank(sleep: dict) -> dict:
+    """pacing="speed" with rank 1 slower: save each replica's state after 3 landed rounds,
+    load it into a new optimizer, and train on to stop_after's budget."""
+    rank = this_rank()
+    options = {"sync_every": 6, "sync_delay": 0, "pacing": "speed"}
+    model = make_model(seed=rank)
+    opt = build(model, "adamw", **options)
+    opt.stop_after(steps=60)
+    steps = 0
+    while opt.outer_rounds < 3:
+        time.sleep(sleep.get(rank, 0.0))
+        inner_step(opt, model, steps, rank, True)
+        steps += 1
+    saved, plan = opt.state_dict(), opt.replica_steps
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    model = make_model(seed=100 + rank)
+    model.load_state_dict(model_state)
+    opt = build(model, "adamw", **options)
+    opt.load_state_dict(saved)
+    loaded_plan = opt.replica_steps
+    while not opt.should_stop:
+        time.sleep(sleep.get(rank, 0.0))
+        inner_step(opt, model, steps, rank, True)
+        steps += 1
+    opt.finish()
+    return {"params": params_of(model), "plan": plan, "loaded_plan": loaded_plan, "steps": steps,
+            "outer_rounds": opt.outer_rounds}
+
+
+def test_speed_pacing_resumes_with_its_plan(ranks) -> None:
+    """What "speed" guarantees on resume: the saved plan (the same on every replica) is the
+    loaded one, the stop budget survives the load, and the replicas go on pacing, stop at the
+    same round and end identical; the pace itself is measured again (wall clock)."""
+    results = ranks(2).run(resume_speed_rank, {1: 0.04})
+    assert results[0]["plan"] == results[1]["plan"] == results[0]["loaded_plan"] == results[1]["loaded_plan"]
+    assert results[0]["plan"][0] == 6 and results[0]["plan"][1] <= 2
+    assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
+    assert results[0]["steps"] <= 60 and results[1]["steps"] < results[0]["steps"] // 2
+    assert_identical_across_ranks([{"params": r["params"]} for r in results])

@@ -1,0 +1,338 @@
+"""mode="local": who takes part in an outer round, how many inner steps each replica takes
+for it, with what weight its pseudo-gradient counts, and when every replica stops.
+
+One owner for that concern (docs/design.md, "Replicas of different speeds"): the local loop
+(:mod:`acco.local`) asks :class:`Pacing` whether a round launches now, hands its
+:class:`HandOver` to each round and gives it the round's :class:`ReplicaReport` when the
+round lands; the comm lane weighs the replicas' pseudo-gradients by
+:meth:`ReplicaReport.factors`.
+
+- **Weights** (``outer_weighting``): each replica's pseudo-gradient counts by the
+  ``accumulate()`` weights its updates trained on since its last hand-over (``"tokens"``),
+  once (``"equal"``), or by FedNova's normalisation (``"normalized"``).
+- **Pacing** (``pacing``): each replica's inner steps per round: ``sync_every`` each
+  (``"lockstep"``), a fixed list, or in proportion to its measured speed (``"speed"``),
+  the fastest ``sync_every``, from the speeds every replica reported in the last round.
+- **Stopping together**: a replica's stop request travels in its next hand-over; once that
+  round has landed every replica's ``should_stop`` is True, at the same round. A replica that
+  calls ``finish()`` while the others train ends the run the same way.
+
+Every rank derives the same plan and the same stop from the same report, which the round's
+first all-reduce carries: no collective of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
+
+__all__ = ["HandOver", "Pacing", "ReplicaReport"]
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """What a replica tells the others with its parameters at an outer round's launch.
+
+    Attributes:
+        steps: inner steps it took since its last hand-over.
+        weight: the ``accumulate()`` weights of those steps' updates (its tokens, or
+            micro-batches by default): its pseudo-gradient's weight in the mean.
+        step_seconds: its seconds per inner step over them, the time ``step()`` waited for a
+            round left out (0: not measured).
+        stop: it asks every replica to stop (``request_stop()``) at this round.
+        finishing: the round is its last (``finish()``).
+    """
+
+    steps: int
+    weight: float
+    step_seconds: float
+    stop: bool = False
+    finishing: bool = False
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """Every replica's :class:`HandOver` for one outer round, by replica (the same on every
+    rank: it travels in the round's first, small all-reduce)."""
+
+    steps: tuple[int, ...]
+    weights: tuple[float, ...]
+    step_seconds: tuple[float, ...]
+    stop: tuple[bool, ...]
+    finishing: tuple[bool, ...]
+
+    def factors(self, weighting: Weighting) -> list[float] | None:
+        """Each replica's pseudo-gradient's factor in the mean over replicas (they sum to the
+        number of replicas; all 0: nobody trained since its hand-over); None: every replica
+        counts once, as equal weights and step counts give."""
+        count = len(self.weights)
+        if weighting is Weighting.EQUAL or len(set(self.weights)) == 1 and len(set(self.steps)) == 1:
+            return None
+        total = sum(self.weights)
+        if total == 0:
+            return [0.0] * count
+        shares = [weight / total for weight in self.weights]
+        if weighting is Weighting.TOKENS:
+            return [count * share for share in shares]
+        # NORMALIZED (FedNova): sum_r p_r (Delta_r / tau_r) times tau_eff = sum_r p_r tau_r.
+        effective = sum(share * steps for share, steps in zip(shares, self.steps))
+        return [count * share * effective / steps if steps else 0.0 for share, steps in zip(shares, self.steps)]
+
+    def as_dict(self) -> dict[str, list]:
+        return {"steps": list(self.steps), "weights": list(self.weights), "step_seconds": list(self.step_seconds),
+                "stop": list(self.stop), "finishing": list(self.finishing)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, list]) -> ReplicaReport:
+        return cls(*(tuple(saved[name]) for name in ("steps", "weights", "step_seconds", "stop", "finishing")))
+
+
+@dataclass
+class Pacing:
+    """This replica's part in the outer rounds: how many inner steps it takes per round, what
+    it reports at a launch, and whether every replica stops.
+
+    With ``pacing="lockstep"`` (or a list giving every replica the same count) a replica
+    launches every ``sync_every`` inner steps, the same on every rank. Otherwise replica r
+    launches after ``plan[r]`` steps: its schedule's, or with ``"speed"`` the last landed
+    round's report's: ``plan[r] = clamp(floor(H t_min / t_r + 1/2), max(1, D), H)``, so the
+    fastest takes ``H = sync_every`` and a round takes about the same time on each; the first
+    round is a quarter round each (nothing is measured yet); a replica within one step of the
+    fastest takes ``H`` too.
+
+    Attributes:
+        options: ``sync_every``, ``sync_delay``, ``pacing``.
+        replica / replicas: this replica's number and how many there are.
+        plan: each replica's inner steps in the current round.
+        round_steps / round_weight: the inner steps since the last launch, and the weights of
+            their updates (what the next hand-over reports).
+        stop_requested / should_stop: this replica asks to stop at its next launch; some
+            replica asked (or finished) in a round that has landed.
+        finishing / peer_finished: this replica's next launch is its last (``finish()``);
+            the replicas that ended with a round this one landed as a regular one.
+        last_report: the report of the last landed round (None before the first).
+        flight_report: the round in flight's report when a checkpoint saved it (a replayed
+            round has none of its own).
+        stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps of the fastest; a
+            deadline on ``time.perf_counter()``), None: none.
+    """
+
+    options: LocalOptions
+    replica: int = 0
+    replicas: int = 1
+    plan: list[int] = field(default_factory=list)
+    round_steps: int = 0
+    round_weight: float = 0.0
+    stop_requested: bool = False
+    should_stop: bool = False
+    finishing: bool = False
+    peer_finished: list[int] = field(default_factory=list)
+    last_report: ReplicaReport | None = None
+    flight_report: ReplicaReport | None = None
+    stop_steps: int | None = None
+    stop_seconds: float | None = None
+    # This replica's pace (wall clock, not saved): timed from the end of its first step (what
+    # came before is not its pace) or from its last launch, the waits for a round left out.
+    busy_since: float = field(default_factory=time.perf_counter)
+    timing: bool = False
+    timed_steps: int = 0
+    waited: float = 0.0
+    round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
+    pace: float = 0.0  # seconds per step over the last round (0: not measured)
+
+    def __post_init__(self) -> None:
+        if not self.plan:
+            self.plan = self.first_plan()
+
+    def join(self, replica: int, replicas: int) -> None:
+        """This replica's number among ``replicas``, once the outer round's group is known.
+
+        Raises:
+            ValueError: a schedule with another number of entries (on every rank alike).
+        """
+        self.replica, self.replicas = replica, replicas
+        self.plan = self.first_plan()
+        if len(self.plan) != replicas:
+            raise ValueError(
+                f"Invalid pacing: {self.options.pacing!r} gives {len(self.plan)} replicas' inner steps, and there are "
+                f"{replicas} replicas (one entry per replica, in process-group order)"
+            )
+
+    @property
+    def lockstep(self) -> bool:
+        return self.options.lockstep
+
+    def first_plan(self) -> list[int]:
+        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each, at
+        least 2 (no speed is measured yet: a slow replica holds the others up for a quarter
+        round, once; its pace is timed from the end of its first step)."""
+        pacing, every = self.options.pacing, self.options.sync_every
+        if isinstance(pacing, tuple):
+            return list(pacing)
+        if pacing == SPEED:
+            delay = self.options.sync_delay
+            return [min(every, max(every // 4, delay if isinstance(delay, int) else 0, 2))] * self.replicas
+        return [every] * self.replicas
+
+    @property
+    def target(self) -> int:
+        """This replica's inner steps in the current round."""
+        return self.plan[self.replica] if self.replica < len(self.plan) else self.options.sync_every
+
+    def launches_now(self, inner_steps: int) -> bool:
+        """Whether this replica's round launches after ``inner_steps`` inner steps."""
+        if self.lockstep:
+            return inner_steps % self.options.sync_every == 0
+        return self.round_steps >= self.target
+
+    def steps_to_launch(self, inner_steps: int) -> int:
+        """Inner steps this replica takes before its next launch."""
+        if self.lockstep:
+            return self.options.sync_every - inner_steps % self.options.sync_every
+        return max(self.target - self.round_steps, 0)
+
+    def check_step(self) -> None:
+        """Refuse an inner step once another replica has finished (its last round was this
+        one's regular one: no round would ever meet this replica's next).
+
+        Raises:
+            RuntimeError: naming what to do.
+        """
+        if self.peer_finished:
+            raise RuntimeError(
+                f"step() after replica(s) {self.peer_finished} called finish(): the replicas take different numbers "
+                "of inner steps (pacing), so a loop must stop on opt.should_stop, which turned True on every replica "
+                "at the same outer round (opt.stop_after(steps=...) or opt.request_stop(); docs/loops.md, \"Replicas "
+                "of different speeds\"); call opt.finish() now"
+            )
+
+    def stepped(self, weight: float) -> None:
+        """An inner step ended (``weight``: its update's, 0 if none was applied)."""
+        self.round_steps += 1
+        self.round_weight += weight
+        if not self.timing:
+            self.busy_since, self.waited, self.timing = time.perf_counter(), 0.0, True
+        else:
+            self.timed_steps += 1
+
+    def waited_for_round(self, seconds: float) -> None:
+        """``step()`` waited this long for a round: not this replica's pace."""
+        self.waited += seconds
+
+    def seconds_per_step(self, now: float) -> float:
+        """This replica's pace since the last launch (0: not measured yet)."""
+        return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
+
+    def hand_over(self) -> HandOver:
+        """What the launch now tells the others; the round's counters start again."""
+        now = time.perf_counter()
+        report = HandOver(self.round_steps, self.round_weight, self.seconds_per_step(now), self.stop_requested,
+                          self.finishing)  # fmt: skip
+        self.round_wall = now - self.busy_since if self.timed_steps == self.round_steps else 0.0
+        self.pace = report.step_seconds or self.pace
+        self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
+        self.round_steps, self.round_weight = 0, 0.0
+        return report
+
+    def finish_runs_last_round(self, unsynced: bool) -> bool:
+        """Whether ``finish()`` runs a last round: with paced replicas always (none can know
+        whether another holds steps no round has carried; one without weighs nothing), in
+        lockstep when this replica holds such steps (every replica alike), never once
+        another replica has finished."""
+        if self.peer_finished:
+            return False
+        return unsynced or not self.lockstep
+
+    def landed(self, report: ReplicaReport | None) -> None:
+        """A round landed with ``report`` (None: a replayed round: the saved one): the stop
+        agreed, the next plan."""
+        report = report if report is not None else self.flight_report
+        self.flight_report = None
+        if report is None:
+            return
+        self.last_report = report
+        if any(report.stop):
+            self.should_stop = True
+        if any(report.finishing) and not self.finishing:
+            self.should_stop = True
+            self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
+        if self.options.pacing == SPEED:
+            self.plan = self.speed_plan(report)
+
+    def speed_plan(self, report: ReplicaReport) -> list[int]:
+        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``
+        (at least the delay a round lands after; ``sync_every`` for a replica that would take
+        more than ``sync_every - 1``); the plan as it was while any replica's speed is
+        unmeasured."""
+        seconds = report.step_seconds
+        if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
+            return self.plan
+        every, delay = self.options.sync_every, self.options.sync_delay
+        least = max(1, delay) if isinstance(delay, int) else 1
+        fastest = min(seconds)
+        plan = []
+        for s in seconds:
+            steps = every * fastest / s  # what this replica does in the fastest's round
+            # Within one step of the fastest: a full round (the others wait less than a step; a
+            # measurement's noise does not take a step off a replica as fast as the others).
+            plan.append(every if steps > every - 1 else max(least, math.floor(steps + 0.5)))
+        return plan
+
+    def stop_after(self, steps: int | None, seconds: float | None) -> None:
+        """A budget this replica enforces (:meth:`check_budget` at every inner step).
+
+        Raises:
+            ValueError: a budget that is not positive.
+        """
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"Invalid steps: {steps!r} (an int >= 1: inner steps of the fastest replica)")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0):
+            raise ValueError(f"Invalid seconds: {seconds!r} (a number > 0)")
+        self.stop_steps = steps
+        self.stop_seconds = None if seconds is None else time.perf_counter() + float(seconds)
+
+    def check_budget(self, inner_steps: int) -> None:
+        """``stop_after()``: ask to stop at the next launch once the round after it would end
+        past ``steps`` (the fastest replica's ``sync_every`` a round), or, for ``seconds``,
+        once the next launch is nearer the deadline than the end of the round after it (the
+        last round's time as the measure: within half a round of the budget)."""
+        if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
+            return
+        ahead = self.steps_to_launch(inner_steps)
+        if self.stop_steps is not None and inner_steps + ahead + self.options.sync_every > self.stop_steps:
+            self.stop_requested = True
+        now = time.perf_counter()
+        per_step = self.seconds_per_step(now) or self.pace
+        if self.stop_seconds is not None and per_step:
+            next_round = self.round_wall or self.options.sync_every * per_step  # before any whole round: its steps
+            if now + ahead * per_step + next_round / 2 > self.stop_seconds:
+                self.stop_requested = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan, the steps and weights since the last hand-over and the stop state (the
+        wall-clock parts are measured again after a load); the round in flight's report is
+        the loop's to save."""
+        return {
+            "plan": list(self.plan),
+            "hand_over_steps": self.round_steps,
+            "hand_over_weight": self.round_weight,
+            "stop_requested": self.stop_requested,
+            "should_stop": self.should_stop,
+            "stop_steps": self.stop_steps,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any], round_steps: int, flight_report: ReplicaReport | None) -> None:
+        """``round_steps``: the steps since the last launch, for a state saved without them. A
+        state saved at another number of replicas restarts the plan (``first_plan``)."""
+        plan = saved.get("plan")
+        self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()
+        self.round_steps = int(saved.get("hand_over_steps", round_steps))
+        self.round_weight = float(saved.get("hand_over_weight", 0.0))
+        self.stop_requested, self.should_stop = bool(saved.get("stop_requested")), bool(saved.get("should_stop"))
+        self.stop_steps = saved.get("stop_steps")
+        self.flight_report = flight_report
+        self.timing, self.timed_steps, self.waited, self.round_wall, self.pace = False, 0, 0.0, 0.0, 0.0
