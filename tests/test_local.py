@@ -370,7 +370,8 @@ def test_defaults() -> None:
 def test_repr_and_the_log_line_show_the_resolved_settings(caplog) -> None:
     """repr(opt) shows, before the param groups as torch optimizers show them, the mode and every
     resolved local setting ("half" as a count, the default overlap rule as chosen, the outer
-    optimizer's hyper-parameters, error feedback as it runs); rank 0 logs them at construction."""
+    optimizer's hyper-parameters, error feedback as it runs, pacing and weighting); rank 0 logs
+    them at construction."""
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     with caplog.at_level(logging.INFO, logger="acco"):
         opt = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=8, sync_delay="half",
@@ -378,7 +379,7 @@ def test_repr_and_the_log_line_show_the_resolved_settings(caplog) -> None:
     settings = ["mode: local", "max_grad_norm: None", "nonfinite: raise", "buffers: broadcast", "timeout: 0:10:00",
                 "sync_every: 8", "sync_delay: 4", "overlap: estimate",
                 "outer_optimizer: SGD(lr=0.7, momentum=0.9, nesterov=True, weight_decay=0)", "outer_bits: 8",
-                "outer_error_feedback: True"]  # fmt: skip
+                "outer_error_feedback: True", "pacing: speed", "outer_weighting: tokens"]  # fmt: skip
     text = repr(opt)
     options = "".join(f"    {line}\n" for line in settings)
     assert text.startswith(f"AccoOptimizer (\nOptions\n{options}Parameter Group 0\n")
