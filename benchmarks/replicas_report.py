@@ -16,6 +16,23 @@ rank 1 sleeps twice each micro-batch's CPU time with --slow 3, nothing with --sl
         --methods local-h16-lockstep local-h16 $S --out benchmarks/results/replicas-slow1-500mbit.json
     sudo $(which python) benchmarks/time_to_loss.py --slow 1 --links comm~compute --rates 50mbit \\
         --methods local-h16-lockstep local-h16 $S --out benchmarks/results/replicas-slow1-50mbit.json
+
+and the other rules and runs of the last table::
+
+    sudo $(which python) benchmarks/time_to_loss.py --slow 3 --links comm~compute --rates 50mbit \\
+        --methods local-h16 local-h16-normalized $S --out benchmarks/results/replicas-slow3-50mbit-weighting.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 3 --links comm~compute --rates 50mbit \\
+        --methods local-h16-normalized local-h16-equal local-h16-dauto-estimate $S \\
+        --out benchmarks/results/replicas-slow3-50mbit-rules.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 3 --links comm~compute --rates 50mbit \\
+        --methods local-h16-lockstep-dauto-estimate $S --out benchmarks/results/replicas-slow3-50mbit-keep-computing.json
+    sudo $(which python) benchmarks/time_to_loss.py --slow 2 --links comm~compute --rates 50mbit \\
+        --methods local-h16-lockstep local-h16 diloco-h16 $S --out benchmarks/results/replicas-slow2-50mbit.json
+    sudo $(which python) benchmarks/two_nodes.py --skip-memory --rate 60mbit --slow-node 3 --repeats 3 \\
+        --methods hsdp fsdp-local-h8-lockstep fsdp-local-h8-speed --out benchmarks/results/two_nodes-slow3-60mbit.json
+
+``replicas-slow1-500mbit-rounding.json`` is the --slow 1, 500 Mbit/s run made before the speed plan's
+one-step dead band (plain rounding), kept for the comparison in docs/loops.md.
 """
 
 from __future__ import annotations
@@ -81,7 +98,8 @@ def slow_table() -> str:
             steps = statistics.median(fast_steps(r) for r in results)
             base = per_method(equal).get(name, []) if equal else []
             ratio = f" (x{steps / statistics.median(fast_steps(r) for r in base):.2f})" if base else ""
-            row.append(f"{steps:.0f}{ratio}")
+            row.append(f"{steps:.0f}{ratio}" if "inner_steps" in results[0] or "inner_steps_by_rank" in results[0]
+                       else f"{steps:.0f} updates")
         rows.append(row)
     return common.md_table(header, rows)
 
@@ -114,6 +132,35 @@ def telemetry_table() -> str:
                              f"{statistics.median(r['steps_per_round_by_rank'][rank] for r in results):.1f}",
                              f"{statistics.median(r['wait_share_by_rank'][rank] for r in results):.2f}"])
     return common.md_table(["link", "method", "rank", "inner steps", "steps per round", "share of time waiting"], rows)
+
+
+def extra_table() -> str:
+    """The other measured rules and runs: other weightings and landings beside the default
+    (each file its own run), --slow 2, and two emulated nodes with one three times slower."""
+    rows = []
+    sources = [("replicas-slow3-50mbit-weighting.json", "--slow 3, 50 Mbit/s, side by side"),
+               ("replicas-slow3-50mbit-rules.json", "--slow 3, 50 Mbit/s"),
+               ("replicas-slow3-50mbit-keep-computing.json", "--slow 3, 50 Mbit/s"),
+               ("replicas-slow2-50mbit.json", "--slow 2, 50 Mbit/s")]
+    for file, what in sources:
+        path = common.RESULTS_DIR / file
+        if not path.exists():
+            continue
+        for name, results in per_method(json.loads(path.read_text())).items():
+            steps = [r["inner_steps_by_rank"] for r in results if "inner_steps_by_rank" in r]
+            shown = " / ".join(f"{statistics.median(s[rank] for s in steps):.0f}" for rank in range(2)) if steps else "-"
+            rows.append([what, f"`{name}`", spread([r["final_loss"] for r in results]), shown])
+    path = common.RESULTS_DIR / "two_nodes-slow3-60mbit.json"
+    if path.exists():
+        repeats = json.loads(path.read_text())["nodes"]["repeats"]
+        for name in repeats[0]:
+            results = [repeat[name] for repeat in repeats]
+            steps = [r["inner_steps_by_rank"] for r in results if "inner_steps_by_rank" in r]
+            shown = (" / ".join(f"{statistics.median(s[rank] for s in steps):.0f}" for rank in (0, 2)) if steps
+                     else f"{statistics.median(r['updates'] for r in results):.0f} updates")
+            rows.append(["two nodes (FSDP2 inside), node 1 3x slower, 60 Mbit/s", f"`{name}`",
+                         spread([r["final_loss"] for r in results]), shown])
+    return common.md_table(["run", "method", "held-out loss", "inner steps, fast / slow replica"], rows)
 
 
 def draw(path: Path) -> str:
@@ -155,6 +202,8 @@ def main() -> None:
     print(equal_table())
     print("\nper replica, --slow 3:\n")
     print(telemetry_table())
+    print("\nother rules and runs (medians of 3 seeds or repeats, min-max):\n")
+    print(extra_table())
     if not args.no_figure:
         print(f"\nwrote {args.out.parent / draw(args.out)}")
 
