@@ -53,7 +53,7 @@ __all__ = [
     "describe", "even", "label",
     "lane_summary", "lo_tx_bytes", "main", "md_table", "method_name", "method_spec", "minutes", "model_arguments",
     "model_config", "phases", "pyplot", "rank_batches", "rate_text", "read_json", "rotated", "run_ranks", "save",
-    "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
+    "plot_seeds", "save_figure", "torchft_version", "train_round", "training_text", "warm_up", "write_json",
 ]
 
 
@@ -1056,6 +1056,18 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_seeds(ax: Any, runs: Sequence[Sequence[tuple[float, float]]], colour: str, label: str) -> None:
+    """Each seed's (seconds, loss) curve thin, their median at each evaluation thick, labelled
+    with the median final loss."""
+    for points in runs:
+        ax.plot(*zip(*points), color=colour, lw=0.6, alpha=0.35)
+    length = min(len(points) for points in runs)
+    times = [statistics.median(points[i][0] for points in runs) for i in range(length)]
+    losses = [statistics.median(points[i][1] for points in runs) for i in range(length)]
+    final = statistics.median(points[-1][1] for points in runs)
+    ax.plot(times, losses, color=colour, lw=2.2, label=f"{label}: {final:.3f}")
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> str:

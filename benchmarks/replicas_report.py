@@ -171,17 +171,9 @@ def draw(path: Path) -> str:
         if data is None:
             continue
         for number, (name, label) in enumerate(LABELS.items()):
-            runs = [r["points"] for r in per_method(data).get(name, [])]
-            if not runs:
-                continue
-            colour = f"C{number}"
-            for points in runs:
-                ax.plot([p["elapsed_s"] for p in points], [p["loss"] for p in points], color=colour, lw=0.6, alpha=0.35)
-            length = min(len(points) for points in runs)
-            times = [statistics.median(points[i]["elapsed_s"] for points in runs) for i in range(length)]
-            losses = [statistics.median(points[i]["loss"] for points in runs) for i in range(length)]
-            final = statistics.median(points[-1]["loss"] for points in runs)
-            ax.plot(times, losses, color=colour, lw=2.2, label=f"{label}: {final:.3f}")
+            runs = [[(p["elapsed_s"], p["loss"]) for p in r["points"]] for r in per_method(data).get(name, [])]
+            if runs:
+                common.plot_seeds(ax, runs, f"C{number}", label)
         ax.set(xlabel="training seconds (evaluations excluded)", title=f"{rate.replace('mbit', ' Mbit/s')}")
         ax.set_ylim(top=min(5.0, ax.get_ylim()[1]))
         ax.legend(fontsize=7)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +49,7 @@ def draw(data: dict[str, Any], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 5))
     rate = common.rate_text(next(iter(data["rates"].values()))).replace("mbit", " Mbit/s")
     for number, (name, runs) in enumerate(curves(data).items()):
-        colour = f"C{number}"
-        for points in runs:
-            ax.plot(*zip(*points), color=colour, lw=0.6, alpha=0.35)
-        length = min(len(points) for points in runs)
-        times = [statistics.median(points[i][0] for points in runs) for i in range(length)]
-        losses = [statistics.median(points[i][1] for points in runs) for i in range(length)]
-        finals = statistics.median(points[-1][1] for points in runs)
-        label = LABELS.get(name, common.label(name).replace("`", ""))
-        ax.plot(times, losses, color=colour, lw=2.2, label=f"{label}: {finals:.3f}")
+        common.plot_seeds(ax, runs, f"C{number}", LABELS.get(name, common.label(name).replace("`", "")))
     cfg = data["config"]
     ax.set(xlabel="training seconds (evaluations excluded)", ylabel="held-out loss",
            title=f"{cfg['ranks']} ranks behind {rate}, {cfg['budget_s']:g} s each; median of seeds "
