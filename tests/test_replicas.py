@@ -18,7 +18,7 @@ import torch.distributed as dist
 from acco import AccoOptimizer
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
 from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
-from tests.test_local import MAX_NORM, build, inner_step, step_data
+from tests.test_local import MAX_NORM, build, inner_step, run_rank, step_data
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -86,23 +86,13 @@ def test_weighting_changes_the_round(ranks) -> None:
             assert not torch.allclose(models[i]["0.weight"], models[j]["0.weight"], atol=1e-4)
 
 
-def fixed_rank(options: dict, steps: int) -> dict:
-    rank = this_rank()
-    model = make_model(seed=rank)
-    opt = build(model, "adamw", **options)
-    for t in range(steps):
-        inner_step(opt, model, t, rank, True)
-    opt.finish()
-    return {"params": params_of(model), "outer_rounds": opt.outer_rounds}
-
-
 @pytest.mark.parametrize("bits", [32, 4])
 def test_equal_schedule_is_lockstep_bit_for_bit(ranks, bits) -> None:
     """An explicit schedule giving both replicas sync_every steps is the lockstep run bit for bit
     (unequal token weights included), a partial last round at finish() too."""
     common = {"sync_every": 3, "sync_delay": 0, "outer_bits": bits}
-    scheduled = ranks(2).run(fixed_rank, {**common, "pacing": [3, 3]}, 8)
-    lockstep = ranks(2).run(fixed_rank, {**common, "pacing": "lockstep"}, 8)
+    scheduled = ranks(2).run(run_rank, 8, "adamw", "flat", True, {**common, "pacing": [3, 3]})
+    lockstep = ranks(2).run(run_rank, 8, "adamw", "flat", True, {**common, "pacing": "lockstep"})
     for a, b in zip(scheduled, lockstep):
         assert_params_equal(a["params"], b["params"])
         assert a["outer_rounds"] == b["outer_rounds"] == 3
