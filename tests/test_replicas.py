@@ -21,6 +21,9 @@ from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, pa
 from tests.test_local import MAX_NORM, build, inner_step, run_rank, step_data
 
 pytestmark = pytest.mark.timeout(150)
+# The slow replica's sleep per inner step: far above a fast step of the test's model even on 2
+# loaded cores (a few ms), so the plans asserted below hold whatever the load.
+SLOW_STEP_S = 0.1
 
 
 def paced_rank(options: dict, budget: int, sleep: dict | None = None) -> dict:
@@ -99,12 +102,12 @@ def test_equal_schedule_is_lockstep_bit_for_bit(ranks, bits) -> None:
 
 
 def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
-    """pacing="speed" (the default): rank 1 sleeps 40 ms a step, rank 0 none. After the first
+    """pacing="speed" (the default): rank 1 sleeps SLOW_STEP_S a step, rank 0 none. After the first
     round (a quarter round each, at least 2 steps: nothing measured yet) every round's plan gives the fast replica
     sync_every and the slow one at most a third of it; every rank derives the same plans from
     the same reports, the replicas stop at the same round and end identical."""
     options = {"sync_every": 6, "sync_delay": 0, "pacing": "speed"}
-    results = ranks(2).run(paced_rank, options, 36, {1: 0.04})
+    results = ranks(2).run(paced_rank, options, 36, {1: SLOW_STEP_S})
     assert_identical_across_ranks([{"params": r["params"]} for r in results])
     assert results[0]["reports"] == results[1]["reports"] and results[0]["plan"] == results[1]["plan"]
     assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
@@ -114,7 +117,7 @@ def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
     assert 32 <= results[0]["steps"] <= 36 and results[1]["steps"] < 18  # the fast one never waited for 6 slow steps
     # Measured from launch to launch: the sleep counts, the fast replica's wait for the slow one does not.
     seconds = [report["step_seconds"] for report in results[0]["reports"][:-1]]
-    assert all(slow > 0.04 > fast for fast, slow in seconds), seconds
+    assert all(slow > SLOW_STEP_S > fast for fast, slow in seconds), seconds
 
 
 def peer_finished_rank(options: dict) -> dict:
@@ -293,7 +296,7 @@ def test_speed_pacing_resumes_with_its_plan(ranks) -> None:
     """What "speed" guarantees on resume: the saved plan (the same on every replica) is the
     loaded one, the stop budget survives the load, and the replicas go on pacing, stop at the
     same round and end identical; the pace itself is measured again (wall clock)."""
-    results = ranks(2).run(resume_speed_rank, {1: 0.04})
+    results = ranks(2).run(resume_speed_rank, {1: SLOW_STEP_S})
     assert results[0]["plan"] == results[1]["plan"] == results[0]["loaded_plan"] == results[1]["loaded_plan"]
     assert results[0]["plan"][0] == 6 and results[0]["plan"][1] <= 2
     assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
