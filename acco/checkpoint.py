@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from acco.collectives import Collectives
 from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.optim import AccoOptimizer
-from acco.portable import canonical, per_element, rank_group_state, rank_round, round_sums, to_portable
+from acco.portable import (LOCAL_PER_PARAM, LOCAL_SHARED, canonical, local_from_portable, local_to_portable,
+                           per_element, rank_group_state, rank_round, round_sums, to_portable)
 
 __all__ = ["full_state_dict", "latest_checkpoint", "load", "reshard", "save"]
 
@@ -173,6 +174,11 @@ def load(
     if optimizer.on_mesh:  # whole tensors from flat ranks, cut to this rank's DTensor blocks
         shapes = [[torch.empty(shape, device="meta") for shape in g["shapes"]] for g in saved[0]["acco"]["groups"]]
         target = to_portable(saved, shapes)
+        meta = target["param_groups"][0]["acco"]
+        if isinstance(meta.get("local"), list):  # whole tensors from flat ranks, cut to this rank's blocks
+            local = meta["local"][optimizer.rank if len(meta["local"]) == optimizer.world_size else 0]
+            groups = [group["params"] for group in optimizer.param_groups]
+            meta["local"] = local_from_portable({**local, "residuals": None}, groups)
     else:
         target = reshard(saved, optimizer) if _needs_reshard(saved, optimizer) else saved[optimizer.rank]
     optimizer.check_state_dict(target)  # the checks load_state_dict runs, before the model changes
@@ -200,6 +206,11 @@ def _portable_entries(
     and its extra values. Collective (``state_dict()`` gathers over acco's group)."""
     portable = optimizer.state_dict()
     state: dict[str, Any] = {}
+    # mode="local": every replica's own state, in replica order; this rank writes its own.
+    local = portable["param_groups"][0]["acco"].pop("local", None)
+    if local is not None:
+        params = [group["params"] for group in optimizer.param_groups]
+        _local_entries(state, local_to_portable(local[optimizer.rank], params), optimizer.rank, rank)
     skeleton: dict[str, Any] = {"param_groups": portable["param_groups"], "state": {}}
     for pid, entry in portable["state"].items():
         skeleton["state"][str(pid)] = {}
@@ -219,6 +230,102 @@ def _portable_entries(
     return state
 
 
+_LOCAL = "acco.local"
+_STORED = "<a DCP entry>"  # where a per-parameter value of the local loop's state was stored
+
+
+def _local_entries(state: dict[str, Any], local: dict[str, Any], replica: int, rank: int) -> None:
+    """One replica's local-loop state as this rank holds it (:func:`acco.portable.local_to_portable`):
+    its per-parameter values under ``acco.local.replica{r}`` (DTensor blocks, which the ranks
+    of the replica group write together; the global values and the estimate's common part,
+    identical on every replica, under ``acco.local.shared``), the rest (counters, the plan,
+    this rank's residuals and place) under ``acco.local.replica{r}.rank{g}``."""
+    rest = dict(local)
+    for key in LOCAL_PER_PARAM:
+        if local.get(key) is None:
+            continue
+        scope = "shared" if key in LOCAL_SHARED else f"replica{replica}"
+        for pid, value in enumerate(v for group in local[key] for v in group):
+            state[f"{_LOCAL}.{scope}.{key}.{pid}"] = value
+        rest[key] = _STORED
+    rest["inner"], offset = [], 0
+    for saved, group in zip(local["inner"], local["live"]):
+        kept: dict[Any, dict[str, Any]] = {}
+        for i, entry in saved["state"].items():
+            kept[i] = {}
+            for name, value in entry.items():
+                if per_element(value):
+                    state[f"{_LOCAL}.replica{replica}.inner.{offset + int(i)}.{name}"] = value
+                    value = _STORED
+                kept[i][name] = value
+        rest["inner"].append({**saved, "state": kept})
+        offset += len(group)
+    _flatten_into(state, f"{_LOCAL}.replica{replica}.rank{rank}", rest)
+
+
+def _local_source(entries: Mapping[str, Any], replicas: int, replica: int, rank: int) -> tuple[int, int, bool] | None:
+    """Which saved local-loop state this rank loads: ``(replica, rank, own)``. Its own replica's
+    at the same number of replicas, replica 0's otherwise (docs/checkpoints.md); the skeleton of
+    this very rank where it was saved, else the replica's first rank's; ``own``: the same rank
+    at the same number of replicas (only then are its residuals this rank's). None: no local state saved."""
+    saved: dict[int, list[int]] = {}
+    for key in entries:
+        parts = key.split(".")
+        if key.startswith(f"{_LOCAL}.replica") and key.endswith(".skeleton") and len(parts) == 5:
+            saved.setdefault(int(parts[2][len("replica"):]), []).append(int(parts[3][len("rank"):]))
+    if not saved:
+        return None
+    source = replica if len(saved) == replicas and replica in saved else 0
+    if source not in saved:
+        raise ValueError(f"the checkpoint's local-mode state has no replica {source} (replicas: {sorted(saved)})")
+    own = len(saved) == replicas and source == replica and rank in saved[source]
+    return source, rank if rank in saved[source] else min(saved[source]), own
+
+
+def _local_templates(entries: Mapping[str, Any], source: tuple[int, int, bool], params: list[Tensor],
+                     path: Path) -> dict[str, Tensor]:
+    """Where DCP reads the local-loop state this rank loads: per-parameter values shaped like
+    this rank's parameters (DCP reshards them from the saved mesh), the rest whole."""
+    replica, rank, _ = source
+    state: dict[str, Tensor] = {}
+    for key, entry in entries.items():
+        parts = key.split(".")
+        if key.startswith(f"{_LOCAL}.replica{replica}.rank{rank}."):
+            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        elif key.startswith((f"{_LOCAL}.shared.", f"{_LOCAL}.replica{replica}.")) and not parts[3].startswith("rank"):
+            pid = int(parts[4])
+            if pid >= len(params):
+                raise ValueError(f"{path}: the checkpoint holds more parameters than this optimizer ({len(params)})")
+            state[key] = _template(params[pid], entry, key, path)
+    return state
+
+
+def _local_state(state: Mapping[str, Tensor], source: tuple[int, int, bool], params: list[list[Tensor]]) -> dict[str, Any]:
+    """The local-loop state read by :func:`_local_templates`, as this rank's own."""
+    replica, rank, own = source
+    rest = _unflatten(state, f"{_LOCAL}.replica{replica}.rank{rank}")
+    counts = [len(group) for group in params]
+    for key in LOCAL_PER_PARAM:
+        if _stored(rest.get(key)):
+            scope = "shared" if key in LOCAL_SHARED else f"replica{replica}"
+            values = [state[f"{_LOCAL}.{scope}.{key}.{pid}"] for pid in range(sum(counts))]
+            rest[key] = [values[sum(counts[:g]) : sum(counts[: g + 1])] for g in range(len(counts))]
+    offset = 0
+    for saved, count in zip(rest["inner"], counts):
+        for i, entry in saved["state"].items():
+            for name, value in entry.items():
+                if _stored(value):
+                    entry[name] = state[f"{_LOCAL}.replica{replica}.inner.{offset + int(i)}.{name}"]
+        offset += count
+    if not own:  # another rank's residuals would be counted twice (docs/checkpoints.md)
+        rest["residuals"] = None
+    return local_from_portable(rest, params)
+
+
+def _stored(value: Any) -> bool:
+    return isinstance(value, str) and value == _STORED
+
+
 def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimizer, model: nn.Module | None) -> dict[str, Any]:
     """:func:`load` of a checkpoint written on a mesh (:func:`_portable_entries`), into any layout: each
     entry is read into a tensor shaped like this rank's parameter (a DTensor with its mesh
@@ -226,6 +333,9 @@ def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimi
     params = [p for group in optimizer.param_groups for p in group["params"]]
     head = torch.empty(entries[f"{_PORTABLE}.skeleton"].size, dtype=torch.uint8)
     state: dict[str, Any] = {f"{_PORTABLE}.skeleton": head}
+    local = _local_source(entries, optimizer.world_size, optimizer.rank, Collectives.global_rank())
+    if local is not None:
+        state.update(_local_templates(entries, local, params, path))
     for key, entry in entries.items():
         if not isinstance(entry, dcp.metadata.TensorStorageMetadata):
             raise ValueError(f"{path}: entry {key!r} is not a tensor; refusing to unpickle it")
@@ -250,6 +360,9 @@ def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimi
         raise ValueError(f"{path}: reading the checkpoint failed: {error}") from error
     skeleton = json.loads(bytes(state[f"{_PORTABLE}.skeleton"].tolist()).decode())
     portable: dict[str, Any] = {"param_groups": skeleton["param_groups"], "state": {}}
+    if local is not None:
+        groups = [group["params"] for group in optimizer.param_groups]
+        portable["param_groups"][0]["acco"]["local"] = _local_state(state, local, groups)
     for pid, keys in skeleton["state"].items():
         entry = {}
         for key, how in keys.items():

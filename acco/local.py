@@ -340,7 +340,10 @@ class LocalLoop(Loop):
         another layout, where rank 0's part is every rank's: its residual would count R
         times). What is dropped is less than one quantisation step of each value of the last
         pseudo-gradient sent."""
-        if saved.get("residuals") is None or saved.get("place") != self.lane_work.place:
+        saved_residuals = saved.get("residuals")
+        if (saved_residuals is None or saved.get("place") != self.lane_work.place
+                or any(tuple(v.shape) != tuple(slot.shape) for group, values in zip(self._groups, saved_residuals)
+                       for v, slot in zip(values, group.plan.slots))):  # fmt: skip
             for residual in self.residuals:
                 residual.zero_()
             return

@@ -32,13 +32,18 @@ from acco.rounds import RoundSchedule
 from acco.sharding import Layout, ShardedGroup, ShardPlan, plan_layout
 from acco.state import STATE_VERSION
 
-__all__ = ["CanonicalGroup", "canonical", "from_portable", "is_portable", "pending_to_rank_zero", "per_element",
-           "rank_group_state", "to_portable"]
+__all__ = ["CanonicalGroup", "LOCAL_PER_PARAM", "LOCAL_SHARED", "canonical", "from_portable", "is_portable",
+           "local_from_portable", "local_to_portable", "pending_to_rank_zero", "per_element", "rank_group_state",
+           "to_portable"]
 
 # Per-parameter entries acco adds beside the base optimizer's own state.
 MASTER, PENDING, IN_FLIGHT = "acco_master", "acco_pending_grad", "acco_in_flight_result"
 _ACCO_KEYS = (MASTER, PENDING, IN_FLIGHT)
 _WEIGHTS = ("pending_weight", "round_weight", "pending_micro_batches", "round_micro_batches")
+# The local loop's per-parameter entries (acco.local.LocalLoop.state_dict: per param group, one
+# tensor per parameter shaped like its local tensor, or None), and those identical on every replica.
+LOCAL_PER_PARAM = ("live", "global_values", "accumulators", "handed_over", "common_terms")
+LOCAL_SHARED = ("global_values", "common_terms")
 
 
 @dataclass
@@ -239,6 +244,47 @@ def _scaled(round_: dict[str, Any], factor: float) -> dict[str, Any]:
     for key in _WEIGHTS:
         out[key] = round(round_[key] * factor) if isinstance(round_[key], int) else round_[key] * factor
     return out
+
+
+def local_to_portable(local: dict[str, Any], params: Sequence[Sequence[Tensor]]) -> dict[str, Any]:
+    """The local loop's own state (one replica's, at this rank's place in its replica group)
+    with every per-parameter tensor, the inner optimizers' per-element state included, shaped
+    like its parameter: a DTensor block for a DTensor parameter, so DCP stores each replica's
+    values at their global offsets and reads them into any other mesh. The residuals stay this
+    rank's plain tensors (they belong to its place: docs/checkpoints.md)."""
+    out = dict(local)
+    for key in LOCAL_PER_PARAM:
+        if local.get(key) is not None:
+            out[key] = [[_portable(v, p) for v, p in zip(values, group)] for values, group in zip(local[key], params)]
+    out["inner"] = [
+        {**saved, "state": {i: {k: _portable(v, group[i]) if per_element(v) and not is_dtensor(v) else v
+                                for k, v in entry.items()} for i, entry in saved["state"].items()}}
+        for saved, group in zip(local["inner"], params)
+    ]  # fmt: skip
+    return out
+
+
+def local_from_portable(portable: dict[str, Any], params: Sequence[Sequence[Tensor]]) -> dict[str, Any]:
+    """:func:`local_to_portable` undone for this rank's parameters: per-parameter entries as
+    local tensors; the inner optimizers' state as their parameters hold it (DTensors for DTensor
+    parameters, which ``Optimizer.load_state_dict`` keeps)."""
+    out = dict(portable)
+    for key in LOCAL_PER_PARAM:
+        if portable.get(key) is not None:
+            out[key] = [[_local(v, local_tensor(p).shape, p) for v, p in zip(values, group)]
+                        for values, group in zip(portable[key], params)]  # fmt: skip
+    out["inner"] = [
+        {**saved, "state": {int(i): {k: _inner_value(v, group[int(i)]) for k, v in entry.items()}
+                            for i, entry in saved["state"].items()}}
+        for saved, group in zip(portable["inner"], params)
+    ]  # fmt: skip
+    return out
+
+
+def _inner_value(value: Any, param: Tensor) -> Any:
+    if per_element(value) and is_dtensor(param) and not is_dtensor(value):
+        return dtensor_like(_local(value, local_tensor(param).shape, param), param)
+    return value
 
 
 def per_element(value: Any) -> bool:

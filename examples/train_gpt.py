@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--mode", choices=["acco", "dpu", "sync", "local"], default="acco", help="how rounds overlap communication")
     add("--sync-every", type=int, default=None, help="--mode local: inner updates per outer round (default: acco's)")
+    add("--sync-delay", type=int, default=None,
+        help="--mode local: inner updates an outer round stays in flight (default: acco's, 0: blocking)")
     add("--pacing", default=None, help="--mode local: speed or lockstep (default: acco's, speed)")
     add("--device", choices=["cpu", "cuda"], default="cpu")
     add("--backend", default=None, help="torch.distributed backend (default: gloo on cpu, nccl on cuda)")
@@ -115,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.mode == "acco" and args.micro_batches_per_update % 2:
         parser.error("--mode acco splits an update into two rounds: --micro-batches-per-update must be even")
-    if args.mode != "local" and (args.sync_every is not None or args.pacing is not None):
-        parser.error("--sync-every and --pacing need --mode local")
+    if args.mode != "local" and (args.sync_every is not None or args.sync_delay is not None or args.pacing is not None):
+        parser.error("--sync-every, --sync-delay and --pacing need --mode local")
     if args.mode == "local" and args.accumulate_while_waiting:
         parser.error("--accumulate-while-waiting is for the per-update modes: --mode local paces its replicas itself")
     if args.micro_batches_per_update < 1 or args.updates < 1:
@@ -561,8 +563,9 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         betas=(0.9, 0.95),
         max_grad_norm=args.grad_clip,
         timeout=datetime.timedelta(seconds=args.timeout),
-        **({name: value for name, value in (("sync_every", args.sync_every), ("pacing", args.pacing))
-            if value is not None} if args.mode == "local" else {}),
+        **({name: value for name, value in (("sync_every", args.sync_every), ("sync_delay", args.sync_delay),
+                                            ("pacing", args.pacing)) if value is not None}
+           if args.mode == "local" else {}),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(args.warmup, args.updates))
 
@@ -679,7 +682,8 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         print0(ctx, progress.line(opt.num_updates, args.updates, scheduler.get_last_lr()[0]))
     if args.mode == "local":
         print0(ctx, f"local steps: {opt.outer_rounds} outer rounds; inner updates per replica "
-                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (at most {args.updates}); last plan "
+                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (stop agreed at {args.updates}, landed sync_delay "
+                    f"later); last plan "
                     f"{opt.replica_steps} steps per round")
     elif opt.num_updates != args.updates:
         raise AssertionError(f"trained {opt.num_updates} updates, expected {args.updates}")
@@ -687,8 +691,12 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
     final = timed(progress, evaluate, model, eval_set)
     print0(ctx, f"{progress.total_samples_per_second():.1f} samples/s over {progress.elapsed():.1f} s")
     print0(ctx, f"final eval loss {final:.4f}")
-    if args.save_final and ctx.master:
-        torch.save(model.state_dict(), args.save_final)
+    if args.save_final:
+        # Whole tensors (on a mesh each rank holds blocks of DTensors: full_tensor() is collective).
+        state = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+                 for name, value in model.state_dict().items()}  # fmt: skip
+        if ctx.master:
+            torch.save(state, args.save_final)
 
 
 def main(argv: list[str] | None = None) -> None:

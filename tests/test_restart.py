@@ -20,10 +20,17 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
         "--updates", "240", "--ckpt-every", "20", "--timeout", "20"]
 
 
-def torchrun(tmp: Path, name: str, *extra: str) -> subprocess.Popen:
+# mode="local" on a 2 x 2 mesh (FSDP2 inside each replica group), replicas in lockstep (reproducible),
+# a checkpoint at every outer round of 5 inner updates, each round 2 updates in flight.
+LOCAL_MESH = ["--mode", "local", "--mesh", "2x2", "--inner", "fsdp", "--pacing", "lockstep", "--sync-every", "5",
+              "--sync-delay", "2", "--updates", "60", "--ckpt-every", "5"]
+RUNS = {"acco": (2, 5, ["--mode", "acco"]), "local-mesh": (4, 1, LOCAL_MESH)}
+
+
+def torchrun(tmp: Path, name: str, nproc: int, restarts: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "--max-restarts=5", str(EXAMPLE), *TINY, "--ckpt-dir", str(tmp / name / "ckpt"),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={restarts}", str(EXAMPLE), *TINY, "--ckpt-dir", str(tmp / name / "ckpt"),
                "--save-final", str(tmp / name / "final.pt"), *extra]
     (tmp / name).mkdir()
     log = open(tmp / name / "log.txt", "w")
@@ -64,14 +71,16 @@ def finish(process: subprocess.Popen, tmp: Path, name: str) -> str:
     return log
 
 
-@pytest.mark.parametrize("mode", ["acco"])
-def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, mode) -> None:
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, run) -> None:
     """Under torchrun with restarts, a rank killed after a checkpoint resumes from it and the run ends
-    bit for bit where an uninterrupted one does."""
-    reference = torchrun(tmp_path, "uninterrupted", "--mode", mode)
+    bit for bit where an uninterrupted one does: acco on 2 ranks, and mode="local" on a 2 x 2 mesh
+    (FSDP2 inside; killed mid-round, the job restarts once from its DCP checkpoint)."""
+    nproc, restarts, extra = RUNS[run]
+    reference = torchrun(tmp_path, "uninterrupted", nproc, restarts, *extra)
     finish(reference, tmp_path, "uninterrupted")
 
-    run = torchrun(tmp_path, "killed", "--mode", mode)
+    run = torchrun(tmp_path, "killed", nproc, restarts, *extra)
     latest = tmp_path / "killed" / "ckpt" / "latest"
     deadline = time.monotonic() + 200
     while not latest.exists():
