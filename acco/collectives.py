@@ -18,7 +18,7 @@ from torch import Tensor
 
 from acco.quantize import dequantize_row, needs_scale, quantize_rows
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "ReconfigurableCollectives"]
 
 class Collectives:
     """The collectives acco issues, on one process group (or none for a single process).
@@ -339,3 +339,43 @@ class Collectives:
         if key not in self._scratch:
             self._scratch[key] = torch.empty_like(tensor)
         return self._scratch[key]
+
+
+class ReconfigurableCollectives:
+    """The collectives of an outer round over torchft's reconfigurable process group
+    (:mod:`acco.elastic`): the group's own methods, as torchft's groups present themselves to
+    c10d as one-rank groups, with this replica's rank and the number of replicas taken from
+    the round's quorum. gloo has no reduce-scatter there: the rounds use all-to-all and
+    all-gather. Every wait is bounded by ``timeout`` (a dead peer's socket fails at once; a
+    hung one after the group's own timeout).
+
+    Args:
+        group: a ``torchft.process_group.ProcessGroup`` configured for this quorum.
+        rank / world_size: this replica's place among the quorum's participants, and their number.
+        timeout: the most a collective waits.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+        self.group, self.rank, self.world_size, self._timeout = group, rank, world_size, timeout
+
+    def all_reduce_sum_(self, tensor: Tensor) -> None:
+        if self.world_size > 1:
+            self.group.allreduce([tensor], dist.ReduceOp.SUM).wait(self._timeout)
+
+    def all_gather(self, output: Tensor, input: Tensor) -> None:
+        """``output`` = every replica's ``input``, concatenated in rank order."""
+        if self.world_size == 1:
+            output[: input.numel()].copy_(input)
+            return
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait(self._timeout)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> None:
+        """Row ``r`` of ``input`` to replica ``r``; row ``r`` of ``output`` from replica ``r``."""
+        if self.world_size == 1:
+            output.copy_(input)
+            return
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        self.group.alltoall_base(output, input, [], [], AllToAllOptions()).wait(self._timeout)

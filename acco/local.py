@@ -23,6 +23,7 @@ the inner update; :class:`LocalClock` when rounds launch and land; :class:`Outer
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Sequence
@@ -92,14 +93,24 @@ class LocalLoop(Loop):
         if self.clock.estimates:
             self.common_terms = [local.estimate.common(torch.empty_like(values), values, [], []) for values in self.global_values]
         self.residuals = None
-        if local.error_feedback:
+        if local.error_feedback and local.membership is None:
             self.residuals = [torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in parts.groups]
-        legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values, self.residuals)
-        self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs, *parts.lane_work_args(),
-                                     common_terms=self.common_terms)
+        if local.membership is None:
+            legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values,
+                                                                     self.residuals)  # fmt: skip
+            self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs,
+                                         *parts.lane_work_args(), common_terms=self.common_terms)  # fmt: skip
+        else:  # elastic replicas (torchft): the round among the replica groups present, sharded among them
+            from acco.elastic import ElasticRunner
+
+            self.lane_work = ElasticRunner(local.membership, parts.groups, self.global_values, BlockCodec(local.outer_bits),
+                                           local.error_feedback, local.outer_optimizer, self.heal_state,
+                                           self.load_heal_state, *parts.lane_work_args())  # fmt: skip
         self.pacing = self.clock.pacing  # who takes part in a round, how many steps each: acco.replicas
         self.pacing.join(self.lane_work.replica, self.lane_work.replicas)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
+        if local.membership is not None:
+            self._join()
 
     @staticmethod
     def sharded_class(options: Options) -> type | None:
@@ -155,8 +166,10 @@ class LocalLoop(Loop):
             self._land()
         if self.pacing.finish_runs_last_round(clock.unsynced):
             self.pacing.finishing = True
-            self._launch()
-            self._land(discard=True)
+            landed = False
+            while not landed:  # a dropped round (elastic replicas) is run again with those present
+                self._launch()
+                landed = self._land(discard=True)
             committed = True
         elif clock.unsynced:  # another replica finished: its last round was the one just landed
             for group, values in zip(self._groups, self.global_values):
@@ -187,13 +200,63 @@ class LocalLoop(Loop):
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
 
-    def _land(self, discard: bool = False) -> None:
+    def _join(self) -> None:
+        """Elastic replicas: a first round with nothing to hand over, repeated until one lands
+        (torchft forms its quorum with the replica groups alive; a group behind them, e.g.
+        restarted, takes a peer's state in it: :meth:`load_heal_state`)."""
+        landed = False
+        while not landed:
+            self._launch()
+            landed = self._land()
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a restarted replica group takes from this one (elastic replicas): the global
+        values, the inner optimizers' state, the clock and the update counts, as they are at this
+        round's launch (copies: torchft serves them while the round runs)."""
+        return {
+            "global_values": [values.detach().cpu().clone() for values in self.global_values],
+            "inner": copy.deepcopy([{**s, "state": {i: {k: v.detach().cpu().clone() if isinstance(v, Tensor) else v
+                                                         for k, v in e.items()} for i, e in s["state"].items()}}
+                                    for s in self.inner.state_dicts()]),
+            "clock": {"inner_steps": self.clock.inner_steps, "outer_rounds": self.clock.outer_rounds,
+                      "skipped_outer_rounds": self.clock.skipped_outer_rounds},
+            "counts": {"num_updates": self._counts.num_updates, "skipped_updates": self._counts.skipped_updates,
+                       "committed_weight": self._counts.committed_weight},
+        }  # fmt: skip
+
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """A peer's :meth:`heal_state`, taken inside an elastic round's quorum while ``step()``
+        waits for the round: this replica restarts from the global values with the peer's inner
+        optimizer state, clock and counts (its own inner steps, if any, are the peer's now)."""
+        with torch.no_grad():
+            for group, values, target in zip(self._groups, state["global_values"], self.global_values):
+                target.copy_(values)
+                group.load_params(target)
+        self.inner.load_state_dicts(state["inner"])
+        clock = state["clock"]
+        self.clock.inner_steps = int(clock["inner_steps"])
+        self.clock.outer_rounds = int(clock["outer_rounds"])
+        self.clock.skipped_outer_rounds = int(clock["skipped_outer_rounds"])
+        self.clock.launched_at = self.clock.inner_steps
+        self.clock.unsynced = False
+        counts = state["counts"]
+        self._counts.num_updates = int(counts["num_updates"])
+        self._counts.skipped_updates = int(counts["skipped_updates"])
+        self._counts.committed_weight = float(counts["committed_weight"])
+
+    def _land(self, discard: bool = False) -> bool:
         """Wait for the outer round in flight and give the replica the new global values, the
-        progress made since its launch on top (``overlap="keep"``) unless ``discard``."""
+        progress made since its launch on top (``overlap="keep"``) unless ``discard``; False: the
+        round was dropped (elastic replicas: a participant failed), and this replica keeps its
+        parameters and its inner steps, which the next round carries."""
         clock, round_ = self.clock, self._schedule.take_in_flight()
         started = time.perf_counter()
         stats = self._schedule.wait(round_)
         self.pacing.waited_for_round(time.perf_counter() - started)
+        if stats.dropped:
+            self.pacing.put_back(round_.hand_over)
+            clock.launched_at = None
+            return False
         self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
@@ -211,6 +274,7 @@ class LocalLoop(Loop):
         clock.launched_at = None
         clock.outer_rounds += 1
         clock.skipped_outer_rounds += int(stats.skipped)
+        return True
 
     @property
     def outer_rounds(self) -> int:  # type: ignore[override]

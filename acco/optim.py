@@ -196,6 +196,10 @@ class AccoOptimizer(torch.optim.Optimizer):
             round's mean: ``"tokens"`` (default: the ``accumulate()`` weights it trained on since
             its last hand-over), ``"equal"`` (once each) or ``"normalized"`` (FedNova: each over
             its inner steps, times their weighted mean).
+        membership: ``local`` only: an :class:`acco.elastic.TorchFT`: each replica group is its
+            own job (``process_group=None``), torchft decides who takes part in each outer round,
+            a lost replica group's peers go on without it and a restarted one heals from a peer
+            (docs/elastic.md). Needs ``sync_delay=0``, ``pacing="lockstep"``, ``outer_bits`` below 32.
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
@@ -252,6 +256,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         outer_error_feedback: bool = DEFAULT_OUTER_ERROR_FEEDBACK,
         pacing: str | Sequence[int] = DEFAULT_PACING,
         outer_weighting: str = DEFAULT_OUTER_WEIGHTING,
+        membership: Any = None,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -261,7 +266,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
             outer_bits=outer_bits, outer_error_feedback=outer_error_feedback, pacing=pacing,
-            outer_weighting=outer_weighting)  # fmt: skip
+            outer_weighting=outer_weighting, membership=membership)  # fmt: skip
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)
@@ -276,6 +281,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         module = params if isinstance(params, nn.Module) else module
         inner = InnerMesh([p for g in groups for p in g["params"]], module, self._comm)
         inner.check(groups, param_dtype)
+        if options.local is not None and options.local.membership is not None and (self.world_size > 1 or inner.active):
+            raise ValueError(
+                f"membership= with a process group of {self.world_size} ranks"
+                + (" and DTensor parameters" if inner.active else "")
+                + ": each replica group is its own job of one rank (process_group=None, whole parameters); torchft's "
+                "process group connects the replica groups"
+            )
         self._sealed = False
         super().__init__(groups, base_defaults)
         self._sealed = True

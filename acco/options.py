@@ -153,6 +153,7 @@ MODE_ONLY: dict[str, tuple[Mode, Any]] = {
     "outer_error_feedback": (Mode.LOCAL, DEFAULT_OUTER_ERROR_FEEDBACK),
     "pacing": (Mode.LOCAL, DEFAULT_PACING),
     "outer_weighting": (Mode.LOCAL, DEFAULT_OUTER_WEIGHTING),
+    "membership": (Mode.LOCAL, None),
 }
 # The outer optimizer's hyper-parameters that describe() shows, those it has.
 _OUTER_SHOWN = ("lr", "momentum", "nesterov", "betas", "weight_decay")
@@ -170,6 +171,8 @@ class LocalOptions:
         pacing: ``"speed"``, ``"lockstep"``, or each replica's inner steps per round (a tuple).
         outer_weighting: how each replica's pseudo-gradient counts in the outer round's mean.
         outer_hyperparams: the outer optimizer's lr, momentum, ... as built (``describe()``).
+        membership: who takes part in each outer round under failures (an
+            :class:`acco.elastic.TorchFT`), or None: every replica of the process group.
     """
 
     sync_every: int
@@ -183,6 +186,7 @@ class LocalOptions:
     pacing: str | tuple[int, ...] = DEFAULT_PACING
     outer_weighting: Weighting = Weighting.TOKENS
     outer_hyperparams: tuple[tuple[str, Any], ...] = ()
+    membership: Any = None
 
     def describe(self) -> list[str]:
         """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
@@ -197,6 +201,7 @@ class LocalOptions:
             f"outer_error_feedback: {self.error_feedback}",
             f"pacing: {list(self.pacing) if isinstance(self.pacing, tuple) else self.pacing}",
             f"outer_weighting: {self.outer_weighting.value}",
+            *([f"membership: {type(self.membership).__name__}"] if self.membership is not None else []),
         ]
 
     @property
@@ -223,7 +228,7 @@ class LocalOptions:
     @classmethod
     def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any,
               outer_bits: Any = DEFAULT_OUTER_BITS, outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
-              pacing: Any = DEFAULT_PACING, outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
+              pacing: Any = DEFAULT_PACING, outer_weighting: Any = DEFAULT_OUTER_WEIGHTING, membership: Any = None,
               ) -> LocalOptions | None:  # fmt: skip
         """The options of ``mode="local"`` (None in another mode: :func:`ignore_other_modes`
         has set them aside); ``ValueError`` / ``TypeError`` naming a bad value."""
@@ -278,9 +283,26 @@ class LocalOptions:
         paced = _check_pacing(DEFAULT_PACING if pacing is None else pacing, every, delay)
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
+        if membership is not None:
+            _check_membership(membership, delay, paced, int(outer_bits))
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
-                   weighting, shown)  # fmt: skip
+                   weighting, shown, membership)  # fmt: skip
+
+
+def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int) -> None:
+    """Elastic rounds (:mod:`acco.elastic`): blocking, in lockstep, quantised (torchft's gloo
+    group has all-to-all and all-gather, no reduce-scatter)."""
+    if not all(callable(getattr(membership, name, None)) for name in ("start_round", "agree", "bind")):
+        raise TypeError(f"Invalid membership: {membership!r} (an acco.elastic.TorchFT)")
+    if sync_delay != 0:
+        raise ValueError(f"Invalid sync_delay with membership: {sync_delay!r} (elastic outer rounds are blocking: 0)")
+    if pacing != LOCKSTEP:
+        raise ValueError(f"Invalid pacing with membership: {pacing!r} (elastic replicas run in lockstep: pass "
+                         "pacing='lockstep'; a restarted replica takes its peers' step count)")  # fmt: skip
+    if outer_bits == 32:
+        raise ValueError("Invalid outer_bits with membership: 32 (elastic rounds send quantised differences over "
+                         "all-to-all and all-gather: 16, 8 or 4)")  # fmt: skip
 
 
 def _check_pacing(pacing: Any, sync_every: int, sync_delay: int | str) -> str | tuple[int, ...]:
@@ -337,6 +359,7 @@ class Options:
         outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
         pacing: Any = DEFAULT_PACING,
         outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
+        membership: Any = None,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
         is checked, not kept). The arguments of another mode are ignored, with one warning
@@ -349,7 +372,7 @@ class Options:
         given = ignore_other_modes(checked_mode, {
             "estimate_dtype": estimate_dtype, "sync_every": sync_every, "sync_delay": sync_delay, "overlap": overlap,
             "outer_optimizer": outer_optimizer, "outer_bits": outer_bits, "outer_error_feedback": outer_error_feedback,
-            "pacing": pacing, "outer_weighting": outer_weighting,
+            "pacing": pacing, "outer_weighting": outer_weighting, "membership": membership,
         })  # fmt: skip
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -361,7 +384,12 @@ class Options:
         local = LocalOptions.check(
             checked_mode, given["sync_every"], given["sync_delay"], given["overlap"], given["outer_optimizer"],
             given["outer_bits"], given["outer_error_feedback"], given["pacing"], given["outer_weighting"],
+            given["membership"],
         )  # fmt: skip
+        quorum = getattr(given["membership"], "quorum_timeout", None)
+        if local is not None and quorum is not None and not timeout > quorum:
+            raise ValueError(f"Invalid timeout: {timeout} with a membership whose quorum_timeout is {quorum} (step() "
+                             "waits for an elastic round's quorum: timeout must be longer)")  # fmt: skip
         if local is not None:
             for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
                 if dtype is not None:

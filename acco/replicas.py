@@ -238,6 +238,12 @@ class Pacing:
         self.round_steps, self.round_weight = 0, 0.0
         return report
 
+    def put_back(self, hand_over: HandOver) -> None:
+        """A round was dropped (elastic replicas): its hand-over's steps and weight count again
+        in the next one, which carries them."""
+        self.round_steps += hand_over.steps
+        self.round_weight += hand_over.weight
+
     def finish_runs_last_round(self, unsynced: bool) -> bool:
         """Whether ``finish()`` runs a last round: with paced replicas always (none can know
         whether another holds steps no round has carried; one without weighs nothing), in

@@ -68,6 +68,9 @@ class RoundStats:
         replicas: an outer round's report of every replica's hand-over (inner steps, tokens,
             seconds per step, stop requests: :class:`acco.local.ReplicaReport`); None otherwise.
         phase: the lane phase the round is in (or failed in); ``"queued"`` before it starts.
+        participants: an elastic outer round's replica groups (:mod:`acco.elastic`); None otherwise.
+        dropped: an elastic outer round some participant failed: it changed nothing (each
+            replica keeps its parameters; the next round carries its inner steps).
     """
 
     index: int
@@ -89,6 +92,8 @@ class RoundStats:
     replayed: bool = False
     replicas: Any = None
     phase: str = "queued"
+    participants: int | None = None
+    dropped: bool = False
     collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)

@@ -1,0 +1,460 @@
+"""Elastic replicas: outer rounds among the replica groups present, on torchft.
+
+Who takes part in each outer round under failures is one concern with one owner (docs/design.md,
+"Elastic replicas"): :class:`TorchFT` asks torchft's ``Manager`` (its lighthouse forms a quorum
+of the replica groups alive at each round) and holds the agreement that lands a round;
+:class:`ElasticRunner` is the outer round's body on the comm lane over the replicas present,
+which :class:`acco.local.LocalLoop` runs instead of :class:`acco.local.OuterRunner` when
+``membership`` is given. Each replica group is its own job (its own ``torchrun``); nothing
+here is needed unless torchft is installed (``pip install acco[ft]``).
+
+The outer state stays sharded: the participants of a round split the flat parameters into R
+chunks (R: the round's participants), each owning one chunk's full-precision master values and
+outer-optimizer state. When the participants change (a replica lost or back), each replica
+keeps what it owned of the elements it still owns and rebuilds the rest from the global values
+every replica holds, its optimizer state zero; a replica that healed, or a round that was
+dropped, rebuilds its whole chunk so. docs/elastic.md measures what that costs.
+
+A round lands only if every participant's legs succeeded: one all-reduce of a failure count
+before torchft's own commit vote (which counts only a replica group's own ranks). A dropped
+round changes nothing on any replica but its residual (reset: what quantising the dropped
+round would have carried, less than one quantisation step per value), and each replica keeps
+its own inner steps, which the next round carries.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from acco.collectives import ReconfigurableCollectives
+from acco.options import NonFinite, Weighting
+from acco.quantize import BlockCodec
+from acco.replicas import HandOver, ReplicaReport
+from acco.runner import LaneWork
+from acco.sharding import ShardedGroup, ShardPlan, plan_layout, Layout
+from acco.telemetry import RoundStats
+
+__all__ = ["ElasticRunner", "Quorum", "TorchFT"]
+
+DEFAULT_QUORUM_TIMEOUT = datetime.timedelta(seconds=120)
+_log = logging.getLogger("acco")
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One outer round's participants, as torchft's Manager formed them.
+
+    Attributes:
+        collectives: the round's collectives over torchft's process group.
+        replica / replicas: this replica group's rank among the participants, and their number.
+        healed: this replica took a peer's state at this round (it was behind: restarted).
+        step: torchft's count of committed rounds (the same on every participant).
+    """
+
+    collectives: ReconfigurableCollectives
+    replica: int
+    replicas: int
+    healed: bool
+    step: int
+
+
+class TorchFT:
+    """The membership of ``mode="local"``'s outer rounds through torchft (``membership=``).
+
+    At each outer round torchft's ``Manager`` forms a quorum of the replica groups alive (its
+    lighthouse decides; a restarted group heals from a peer first), acco runs the round over
+    torchft's process group among them, and lands it only if every participant succeeded.
+
+    Args:
+        manager: a ``torchft.Manager`` made with ``use_async_quorum=False`` (the quorum, and a
+            heal, complete before the round's collectives).
+        process_group: the torchft process group the manager reconfigures (``ProcessGroupGloo``
+            or ``ProcessGroupNCCL``).
+        start_with: the first round waits for this many replica groups (a fresh job: every group
+            from the first step); later rounds take whoever is alive.
+        collective_timeout: the most one collective of a round waits (a hung peer).
+
+    Example::
+
+        membership = TorchFT.connect("replica-0", lighthouse="http://host:29510", min_replicas=1)
+        opt = AccoOptimizer(model, torch.optim.AdamW, mode="local", membership=membership, lr=3e-4)
+    """
+
+    def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1,
+                 collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:  # fmt: skip
+        if isinstance(start_with, bool) or not isinstance(start_with, int) or start_with < 1:
+            raise ValueError(f"Invalid start_with: {start_with!r} (an int >= 1: replica groups the first round waits for)")
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("TorchFT needs a Manager made with use_async_quorum=False: a heal must complete before "
+                             "the round's collectives")  # fmt: skip
+        self.manager, self.process_group = manager, process_group
+        self.start_with = start_with
+        self.collective_timeout = collective_timeout
+        self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
+        self._healed = threading.Event()
+        self._first = True
+        self._owned: list[Any] = []  # what connect() made, shut down by close()
+
+    @classmethod
+    def connect(
+        cls,
+        replica_id: str,
+        *,
+        lighthouse: str | None = None,
+        min_replicas: int = 1,
+        start_with: int = 1,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        quorum_timeout: datetime.timedelta = DEFAULT_QUORUM_TIMEOUT,
+        hostname: str | None = None,
+        heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100),
+    ) -> TorchFT:
+        """A replica group of one process: its own store, torchft's gloo process group and a
+        Manager reaching the lighthouse at ``lighthouse`` (default: ``$TORCHFT_LIGHTHOUSE``).
+
+        Args:
+            replica_id: this replica group's name (torchft adds a fresh suffix per start).
+            min_replicas: a round needs at least this many groups to land (torchft's
+                ``min_replica_size``; the lighthouse's own ``--min_replicas`` decides when a
+                quorum forms).
+            timeout: a collective's and a commit vote's limit (a hung peer is dropped after it).
+            quorum_timeout: how long a round may wait for a quorum: longer than the slowest
+                replica's inner steps of a round (a peer is waited for at every round) plus the
+                lighthouse's heartbeat timeout. A quorum that times out ends the Manager.
+            hostname: this machine's address as the other groups reach it (default: its name).
+        """
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        host = hostname or socket.gethostname()
+        store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        group = ProcessGroupGloo(timeout=timeout)
+        manager = Manager(
+            pg=group, load_state_dict=None, state_dict=None, min_replica_size=min_replicas, use_async_quorum=False,
+            replica_id=replica_id, store_addr=host, store_port=store.port, rank=0, world_size=1,
+            lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=quorum_timeout,
+            connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
+        )  # fmt: skip
+        membership = cls(manager, group, start_with=start_with, collective_timeout=timeout)
+        membership.quorum_timeout = quorum_timeout
+        membership._owned = [manager, store]
+        return membership
+
+    def bind(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
+        """What a restarted replica group takes from a peer (:meth:`start_round` heals it)."""
+
+        def load(state: Any) -> None:
+            load_state_dict(state)
+            self._healed.set()
+
+        self.manager.register_state_dict_fn("acco", load, state_dict)
+
+    def start_round(self) -> Quorum:
+        """The quorum of this outer round (blocks until torchft has formed it; heals this
+        replica group first if it is behind).
+
+        Raises:
+            TimeoutError / RuntimeError: torchft's, when no quorum forms within its timeout.
+        """
+        self._healed.clear()
+        self.manager.start_quorum()
+        replica = self.manager.participating_rank()
+        replicas = self.manager.num_participants()
+        if replica is None:
+            raise RuntimeError("torchft formed a quorum without this replica group as a participant")
+        comm = ReconfigurableCollectives(self.process_group, replica, replicas, self.collective_timeout)
+        return Quorum(comm, replica, replicas, self._healed.is_set(), self.manager.current_step())
+
+    def agree(self, quorum: Quorum, succeeded: bool) -> bool:
+        """Whether the round lands: every participant's legs succeeded (one all-reduce of the
+        failures), the first round had ``start_with`` groups, and torchft's vote. The same on
+        every participant, unless a peer dies within this very exchange (the one that lands
+        is ahead: torchft heals the other from it at the next round)."""
+        waiting = self._first and quorum.replicas < self.start_with
+        failures = torch.tensor([0.0 if succeeded and not waiting else 1.0], dtype=torch.float64)
+        try:
+            quorum.collectives.all_reduce_sum_(failures)  # every participant learns of any failure
+        except Exception as error:  # a peer died: nobody lands this round
+            failures.fill_(1.0)
+            if succeeded:
+                self.report_error(error)
+        if failures.item():
+            self.manager.report_error(RuntimeError(
+                f"the first round waits for {self.start_with} replica groups" if waiting and succeeded
+                else "a participant's outer round failed"))  # fmt: skip
+        committed = bool(self.manager.should_commit())
+        self._first = self._first and not committed
+        return committed
+
+    def report_error(self, error: Exception) -> None:
+        self.manager.report_error(error)
+
+    def close(self) -> None:
+        """Shut down what :meth:`connect` made (the Manager's server and heartbeats)."""
+        for owned in self._owned:
+            if hasattr(owned, "shutdown"):
+                owned.shutdown(wait=False)
+        self._owned = []
+
+
+@dataclass
+class _Epoch:
+    """This replica's part of the outer state while the participants stay the same."""
+
+    replica: int
+    replicas: int
+    plans: list[ShardPlan]
+    masters: list[Tensor]  # per param group, this replica's chunk, full precision
+    outers: list[torch.optim.Optimizer]
+
+
+class ElasticRunner(LaneWork):
+    """The outer round over the replicas present (torchft), on the comm lane: the quorum (a
+    restarted replica heals), the exchange of hand-overs, the reduce leg (all-to-all of the
+    quantised pseudo-gradients, each chunk to its owner), the owner's outer step, the gather
+    leg (all-gather), the agreement; ``gathered`` holds the new global values of a round that
+    lands. :class:`acco.local.OuterRunner`'s recurrence, among the replicas of each round.
+
+    Args:
+        membership: who takes part (:class:`TorchFT`).
+        groups: each param group's buffers (one replica group of one rank: whole parameters).
+        global_values: the loop's copy of the global values, per group (read; the loop writes it).
+        codec: both legs' encoding (``outer_bits``).
+        error_feedback: keep what quantising dropped (per replica, flat over the parameters).
+        outer_optimizer: builds the outer optimizer on a chunk.
+        heal_state / load_heal_state: the loop's state a restarted replica takes from a peer,
+            and how it takes it (see :meth:`acco.local.LocalLoop.heal_state`).
+        *args: the rest of :class:`~acco.runner.LaneWork`'s.
+    """
+
+    def __init__(
+        self,
+        membership: TorchFT,
+        groups: Sequence[ShardedGroup],
+        global_values: Sequence[Tensor],
+        codec: BlockCodec,
+        error_feedback: bool,
+        outer_optimizer: Callable[..., torch.optim.Optimizer],
+        heal_state: Callable[[], dict[str, Any]],
+        load_heal_state: Callable[[dict[str, Any]], None],
+        *args: Any,
+    ) -> None:
+        super().__init__(groups, *args)
+        self._membership = membership
+        self._global_values = list(global_values)
+        self._codec = codec
+        self._outer_optimizer = outer_optimizer
+        self._shapes = [[tuple(slot.shape) for slot in group.plan.slots] for group in groups]
+        self._residuals = ([torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in groups]
+                           if error_feedback else None)  # fmt: skip
+        self._epoch: _Epoch | None = None
+        self._round: Any = None  # the round being run (a heal rewrites its hand-over)
+        self._load_heal_state = load_heal_state
+        membership.bind(heal_state, self._heal)
+        self.replica, self.replicas = 0, 1
+        self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
+        self.last_quorum: Quorum | None = None
+
+    # -------------------------------------------------------------------------- the round
+
+    def run(self, round_: Any) -> RoundStats:
+        """One outer round among the replicas present.
+
+        Raises:
+            CommLaneError: no quorum formed (torchft's timeout; the Manager is then unusable).
+        """
+        from acco.local import QuantizedLegs  # the legs' code, shared with fixed groups
+
+        stats, record = round_.stats, self._recorder
+        record.lane_start(stats)
+        self._round = round_
+        try:
+            with record.phase(stats, "quorum"):
+                quorum = self._membership.start_round()
+        except Exception as error:
+            raise self._failed(round_, error) from error
+        self.last_quorum = quorum
+        self.replica, self.replicas = quorum.replica, quorum.replicas
+        stats.update_weight = float(quorum.replicas)
+        succeeded, values = True, None
+        try:
+            epoch = self._epoch_for(quorum)
+            with record.phase(stats, "totals"):
+                nonfinite, report = self._exchange(quorum, round_)
+            round_.report = stats.replicas = report
+            stats.global_weight = sum(report.weights)
+            factors = report.factors(self._options.local.outer_weighting)
+            if nonfinite and self._options.nonfinite is NonFinite.RAISE:
+                raise FloatingPointError(f"non-finite parameters on {nonfinite} replica(s)")
+            stats.skipped = bool(nonfinite)
+            values = [copies.clone() for copies in self._copies()]
+            if not nonfinite and not (factors is not None and not any(factors)):
+                legs = QuantizedLegs(self._codec, self._copies(), self._residuals)
+                sent = received = 0
+                for number, (group, plan) in enumerate(zip(self._groups, epoch.plans)):
+                    place = _Place(plan, epoch.replica)
+                    with record.phase(stats, "reduce-scatter"):
+                        params = self._relaid(round_.params[number], group.plan, plan)
+                        total, nbytes = legs.reduce(quorum.collectives, place, number, params, factors)
+                        sent += nbytes
+                    with record.phase(stats, "update"):
+                        master, outer = epoch.masters[number], epoch.outers[number]
+                        master.grad = total.div_(float(quorum.replicas))
+                        outer.step()
+                        master.grad = None
+                    with record.phase(stats, "all-gather"):
+                        received += legs.gather(quorum.collectives, place, number, master, values[number], values[number])
+                stats.collective_bytes = sent + received
+        except Exception as error:
+            succeeded = False
+            self._membership.report_error(error)
+            _log.warning("elastic outer round %d dropped on this replica group: %s: %s", stats.index,
+                         type(error).__name__, error)  # fmt: skip
+        with record.phase(stats, "agree"):
+            committed = self._membership.agree(quorum, succeeded)
+        stats.participants = quorum.replicas
+        if committed:
+            for group, plan, new in zip(self._groups, self._epoch.plans, values):
+                group.gathered.zero_()
+                self._relay(new, plan, group.gathered, group.plan)
+        else:
+            stats.dropped = True
+            self._epoch = None  # a master may have stepped: the next round rebuilds from the global values
+            for residual in self._residuals or []:
+                residual.zero_()
+        self._round = None
+        record.lane_end(stats)
+        return stats
+
+    def replay(self, round_: Any) -> RoundStats:
+        raise AssertionError("elastic outer rounds are blocking: no round is in flight in a checkpoint")
+
+    # ------------------------------------------------------------------------- the parts
+
+    def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport]:
+        """Every participant's hand-over and non-finite flag, in one all-reduce."""
+        own, fields = round_.hand_over, 5
+        flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64)
+        start = 1 + fields * quorum.replica
+        flags[start : start + fields] = torch.tensor(
+            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
+        flags[0] = self._nonfinite_flag(round_.params).cpu()
+        quorum.collectives.all_reduce_sum_(flags)
+        rows = flags[1:].view(quorum.replicas, fields).tolist()
+        report = ReplicaReport(
+            steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
+            step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
+            finishing=tuple(bool(row[4]) for row in rows),
+        )  # fmt: skip
+        return int(flags[0].item()), report
+
+    def _epoch_for(self, quorum: Quorum) -> _Epoch:
+        """This replica's chunk of the outer state for the round's participants: kept while they
+        stay the same; otherwise what it owned of its new chunk kept, the rest rebuilt from the
+        global values with the outer optimizer's state zero (all of it after a heal or a
+        dropped round)."""
+        old = None if quorum.healed else self._epoch
+        if old is not None and (old.replica, old.replicas) == (quorum.replica, quorum.replicas):
+            return old
+        if self._residuals is not None and quorum.healed:
+            for residual in self._residuals:
+                residual.zero_()
+        plans = [plan_layout(Layout.FLAT, shapes, quorum.replicas) for shapes in self._shapes]
+        masters, outers = [], []
+        for number, (plan, values) in enumerate(zip(plans, self._global_values)):
+            start, stop = plan.rank_range(quorum.replica)
+            numel = sum(slot.numel for slot in plan.slots)
+            master = torch.zeros(plan.chunk, dtype=torch.float32, device=values.device)
+            master[: max(0, min(stop, numel) - start)] = values[start : min(stop, numel)].float()
+            outer = self._outer_optimizer([master.requires_grad_(True)])
+            if old is not None:
+                self._keep_overlap(old, number, master, outer, start, stop)
+            masters.append(master)
+            outers.append(outer)
+        # The residuals and copies are laid out for the new number of chunks (padding only differs).
+        self._residuals = None if self._residuals is None else [
+            self._resized(r, plan.padded_numel) for r, plan in zip(self._residuals, plans)]  # fmt: skip
+        self._epoch = _Epoch(quorum.replica, quorum.replicas, plans, masters, outers)
+        return self._epoch
+
+    @staticmethod
+    def _keep_overlap(old: _Epoch, number: int, master: Tensor, outer: torch.optim.Optimizer, start: int,
+                      stop: int) -> None:
+        """The elements this replica owned before and still owns: their master values and
+        outer-optimizer state as they were."""
+        old_start, old_stop = old.plans[number].rank_range(old.replica)
+        first, last = max(start, old_start), min(stop, old_stop)
+        if first >= last:
+            return
+        previous, previous_outer = old.masters[number], old.outers[number]
+        with torch.no_grad():
+            master[first - start : last - start] = previous[first - old_start : last - old_start]
+        state = previous_outer.state.get(previous, {})
+        if not state:
+            return
+        kept: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.shape == previous.shape:
+                fresh = torch.zeros_like(master)
+                fresh[first - start : last - start] = value[first - old_start : last - old_start]
+                kept[key] = fresh
+            else:
+                kept[key] = copy.deepcopy(value)
+        outer.state[master] = kept
+
+    def _copies(self) -> list[Tensor]:
+        """The global values laid out for this epoch's chunks (a view where the padding fits)."""
+        out = []
+        for values, plan in zip(self._global_values, self._epoch.plans):
+            if values.numel() >= plan.padded_numel:
+                out.append(values[: plan.padded_numel])
+            else:
+                out.append(self._resized(values, plan.padded_numel))
+        return out
+
+    @staticmethod
+    def _resized(flat: Tensor, numel: int) -> Tensor:
+        out = torch.zeros(numel, dtype=flat.dtype, device=flat.device)
+        count = min(numel, flat.numel())
+        out[:count] = flat[:count]
+        return out
+
+    @staticmethod
+    def _relaid(flat: Tensor, source: ShardPlan, target: ShardPlan) -> Tensor:
+        """A flat buffer of ``source``'s layout in ``target``'s (the same order of parameters)."""
+        out = torch.zeros(target.padded_numel, dtype=flat.dtype, device=flat.device)
+        ElasticRunner._relay(flat, source, out, target)
+        return out
+
+    @staticmethod
+    def _relay(flat: Tensor, source: ShardPlan, out: Tensor, target: ShardPlan) -> None:
+        for a, b in zip(source.slots, target.slots):
+            out[b.offset : b.offset + b.numel] = flat[a.offset : a.offset + a.numel]
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        """A peer's state, taken inside the quorum (this replica was behind): the loop takes it,
+        and this round's hand-over becomes the global values themselves, with no weight."""
+        self._load_heal_state(state)
+        round_ = self._round
+        if round_ is not None:
+            for params, values in zip(round_.params, self._global_values):
+                params.copy_(values)
+            own = round_.hand_over
+            round_.hand_over = HandOver(0, 0.0, 0.0, own.stop, own.finishing)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """A param group's chunks among a round's participants, as :class:`acco.local.QuantizedLegs` reads them."""
+
+    plan: ShardPlan
+    rank: int

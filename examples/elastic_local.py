@@ -1,0 +1,259 @@
+"""Local steps that survive a lost replica: elastic replica groups on torchft, on one machine.
+
+Starts torchft's lighthouse and ``--replicas`` replica groups (each its own process training
+the byte-level GPT of examples/train_gpt.py with ``mode="local"``), restarts a replica group
+whose process dies, and exits 0 once every replica has finished (``pip install acco[ft]``):
+
+    python examples/elastic_local.py --replicas 2 --steps 300 --log-dir runs/elastic
+
+Kill replica 1 while it trains and watch it rejoin (the other keeps training meanwhile):
+
+    kill -9 $(cat runs/elastic/replica-1.pid)
+
+Per replica I, ``DIR/replica-I.pid`` holds the pid of its training process (rewritten at each
+restart), ``DIR/replica-I.jsonl`` one JSON object per outer round (``round``, ``inner_step``,
+``participants``, ``loss``: the mean training loss of this replica since its last record,
+``dropped``, ``healed``, ``seconds``) and a last one with ``final`` and ``eval_loss`` (the
+held-out loss of the final global values), ``DIR/replica-I.final`` the sha256 of its final
+parameters (the same on every replica), ``DIR/replica-I.log`` its output.
+
+Across machines, start the lighthouse once (``torchft_lighthouse --min_replicas 1 --bind
+[::]:29510``) and one replica group per machine, each with its own ``--replica``:
+
+    python examples/elastic_local.py --replica 0 --replicas 2 --steps 3000 --log-dir runs/elastic \\
+        --lighthouse http://lighthouse-host:29510 --hostname this-host
+
+(docs/elastic.md: what a survivor does while a peer is gone, ``min_replicas``, timeouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from acco import AccoOptimizer
+from acco.elastic import TorchFT
+from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
+    sample_batch, split_corpus  # fmt: skip
+
+RESTART_ENV = "ACCO_ELASTIC_START"  # how many times the launcher started this replica group before
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--replicas", type=int, default=2, help="replica groups (the first round waits for all of them)")
+    add("--steps", type=int, default=300, help="inner steps per replica (stop_after: the same on every replica)")
+    add("--log-dir", required=True, help="pid, jsonl, final and log files per replica")
+    add("--nproc-per-replica", type=int, default=1, help="ranks per replica group (1: one process each)")
+    add("--replica", type=int, default=None, help="run only this replica group (across machines); default: launch all")
+    add("--lighthouse", default=None, help="torchft lighthouse address (default: start one here)")
+    add("--hostname", default=None, help="this machine's address as the other replica groups reach it")
+    add("--min-replicas", type=int, default=1, help="replica groups a round needs to land")
+    add("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout: how fast a loss is seen")
+    add("--sync-every", type=int, default=10)
+    add("--outer-bits", type=int, default=4)
+    add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
+    add("--quorum-timeout", type=float, default=60.0, help="seconds a round waits for a quorum")
+    add("--max-restarts", type=int, default=3, help="restarts per replica group before the launcher gives up")
+    add("--data", default=None, help="a text file or directory (default: Python's stdlib)")
+    add("--max-bytes", type=int, default=400_000)
+    add("--n-layer", type=int, default=1)
+    add("--n-embd", type=int, default=32)
+    add("--n-head", type=int, default=2)
+    add("--seq-len", type=int, default=32)
+    add("--batch-size", type=int, default=4)
+    add("--micro-batches", type=int, default=2, help="per inner step")
+    add("--lr", type=float, default=3e-3)
+    add("--eval-batches", type=int, default=8)
+    add("--seed", type=int, default=1337)
+    add("--step-seconds", type=float, default=0.0, help="sleep this long per inner step (a slower device)")
+    add("--die-in-round", type=int, default=None, help="testing: this replica group dies (SIGKILL) inside this "
+        "outer round, after its quorum formed, while its peers are in the round's collectives")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.nproc_per_replica != 1:
+        parser.error("--nproc-per-replica: elastic replica groups of one process only (docs/elastic.md, 'Not yet')")
+    if args.replicas < 1 or args.steps < 1 or not 1 <= args.min_replicas <= args.replicas:
+        parser.error("--replicas, --steps >= 1 and 1 <= --min-replicas <= --replicas")
+    return args
+
+
+# ------------------------------------------------------------------------- a replica group
+
+
+class DiesInRound(TorchFT):
+    """Fault injection for tests: SIGKILL once the quorum of round ``round`` formed."""
+
+    die_in_round: int | None = None
+
+    def start_round(self):  # type: ignore[no-untyped-def]
+        quorum = super().start_round()
+        if self.die_in_round is not None and quorum.step >= self.die_in_round:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return quorum
+
+
+def replica_main(args: argparse.Namespace) -> None:
+    directory, index = Path(args.log_dir), args.replica
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
+    started = int(os.environ.get(RESTART_ENV, "0"))
+    torch.set_num_threads(1)
+    corpus = load_corpus(args.data, args.max_bytes)
+    train_data, held_out = split_corpus(corpus, args.seq_len)
+    eval_set = eval_batches(held_out, args.eval_batches, args.batch_size, args.seq_len, args.seed, torch.device("cpu"))
+    torch.manual_seed(args.seed)  # every replica group the same initial model (a fresh job's first round checks)
+    model = GPT(GPTConfig(args.n_layer, args.n_embd, args.n_head, args.seq_len))
+    # A fresh job's first round waits for every replica group; a restarted one joins whoever is training.
+    membership = DiesInRound.connect(
+        f"replica-{index}", lighthouse=args.lighthouse, min_replicas=args.min_replicas,
+        start_with=args.replicas if started == 0 else 1, timeout=datetime.timedelta(seconds=args.timeout),
+        quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout), hostname=args.hostname,
+    )  # fmt: skip
+    membership.die_in_round = args.die_in_round if started == 0 else None
+    # The first round runs here: a restarted replica group takes the global values, the inner
+    # optimizer's state and the step count from a peer.
+    opt = AccoOptimizer(
+        param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local", membership=membership,
+        sync_every=args.sync_every, sync_delay=0, pacing="lockstep", outer_bits=args.outer_bits, lr=args.lr,
+        betas=(0.9, 0.95), max_grad_norm=1.0, timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed + 1000 * index + 1_000_000 * started)
+    schedule = WarmupCosine(20, args.steps)
+    log = open(directory / f"replica-{index}.jsonl", "a")
+    clock, seen, losses = time.perf_counter(), 0, []
+
+    def record_rounds() -> None:
+        """One JSON object per outer round this replica ran since the last call."""
+        nonlocal seen, losses
+        for stats in [s for s in opt.round_stats if s.index >= seen]:
+            seen = stats.index + 1
+            entry = {"round": opt.outer_rounds, "inner_step": opt.num_updates, "participants": stats.participants,
+                     "dropped": stats.dropped, "loss": sum(losses) / len(losses) if losses else None,
+                     "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
+                     "bytes": stats.collective_bytes}  # fmt: skip
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            print(f"replica {index} | round {entry['round']:4d} | inner step {entry['inner_step']:5d} | "
+                  f"{entry['participants']} replica group(s)" + (" | dropped" if stats.dropped else "")
+                  + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
+            losses = []
+
+    record_rounds()
+    opt.stop_after(steps=args.steps)
+    while not opt.should_stop:
+        for group in opt.param_groups:  # the schedule follows the step count (a healed replica takes its peers')
+            group["lr"] = args.lr * schedule(opt.num_updates)
+        for _ in range(args.micro_batches):
+            x, y = sample_batch(train_data, args.batch_size, args.seq_len, generator)
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            opt.accumulate()
+            losses.append(loss.item())
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
+        opt.step()
+        record_rounds()
+    opt.finish()
+    record_rounds()
+    final = evaluate(model, eval_set)
+    digest = hashlib.sha256()
+    for value in model.state_dict().values():
+        digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    log.write(json.dumps({"final": True, "eval_loss": final, "inner_step": opt.num_updates, "round": opt.outer_rounds})
+              + "\n")  # fmt: skip
+    log.close()
+    (directory / f"replica-{index}.final").write_text(digest.hexdigest())
+    print(f"replica {index} | finished at inner step {opt.num_updates} | eval loss {final:.4f}", flush=True)
+    membership.close()
+
+
+# ------------------------------------------------------------------------------ launcher
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """The lighthouse and every replica group on this machine; a replica group whose process
+    dies is started again (it rejoins and heals from a peer)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO
+    from torchft.coordination import LighthouseServer
+
+    directory = Path(args.log_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    lighthouse = None
+    address = args.lighthouse
+    if address is None:
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.min_replicas, join_timeout_ms=100,
+                                      quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_ms)  # fmt: skip
+        address = lighthouse.address()
+    env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "OMP_NUM_THREADS": "1"}
+
+    def start(index: int, count: int) -> subprocess.Popen:
+        (directory / f"replica-{index}.final").unlink(missing_ok=True)
+        command = [sys.executable, str(Path(__file__).resolve()), *argv, "--replica", str(index), "--lighthouse", address]
+        output = open(directory / f"replica-{index}.log", "a")
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**env, RESTART_ENV: str(count)})
+
+    starts = {index: 0 for index in range(args.replicas)}
+    running = {index: start(index, 0) for index in range(args.replicas)}
+    finished: set[int] = set()
+    shown = 0.0
+    try:
+        while running:
+            for index, process in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del running[index]
+                if code == 0 and (directory / f"replica-{index}.final").exists():
+                    finished.add(index)
+                    print(f"replica {index} finished", flush=True)
+                elif starts[index] < args.max_restarts and running:
+                    starts[index] += 1
+                    print(f"replica {index} died (exit code {code}): restart {starts[index]}", flush=True)
+                    running[index] = start(index, starts[index])
+                else:
+                    print(f"replica {index} died (exit code {code}) and is not restarted", flush=True)
+            if time.monotonic() - shown > 2.0 and running:
+                shown = time.monotonic()
+                for index in sorted(running):
+                    last = _last_record(directory / f"replica-{index}.jsonl")
+                    if last is not None:
+                        print(f"replica {index} | round {last.get('round')} | inner step {last.get('inner_step')} | "
+                              f"{last.get('participants')} replica group(s)", flush=True)  # fmt: skip
+            time.sleep(0.1)
+    finally:
+        for process in running.values():
+            process.kill()
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    return 0 if len(finished) == args.replicas else 1
+
+
+def _last_record(path: Path) -> dict | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    return json.loads(lines[-1]) if lines else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.replica is None:
+        sys.exit(launch(args, argv))
+    replica_main(args)
+
+
+if __name__ == "__main__":
+    main()
