@@ -82,6 +82,8 @@ class TorchFT:
             or ``ProcessGroupNCCL``).
         start_with: the first round waits for this many replica groups (a fresh job: every group
             from the first step); later rounds take whoever is alive.
+        must_heal: this replica group was restarted: its first round must find a peer ahead of
+            it to heal from (``RuntimeError`` otherwise, rather than training alone from scratch).
         collective_timeout: the most one collective of a round waits (a hung peer).
 
     Example::
@@ -90,7 +92,7 @@ class TorchFT:
         opt = AccoOptimizer(model, torch.optim.AdamW, mode="local", membership=membership, lr=3e-4)
     """
 
-    def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1,
+    def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1, must_heal: bool = False,
                  collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:  # fmt: skip
         if isinstance(start_with, bool) or not isinstance(start_with, int) or start_with < 1:
             raise ValueError(f"Invalid start_with: {start_with!r} (an int >= 1: replica groups the first round waits for)")
@@ -98,7 +100,7 @@ class TorchFT:
             raise ValueError("TorchFT needs a Manager made with use_async_quorum=False: a heal must complete before "
                              "the round's collectives")  # fmt: skip
         self.manager, self.process_group = manager, process_group
-        self.start_with = start_with
+        self.start_with, self.must_heal = start_with, must_heal
         self.collective_timeout = collective_timeout
         self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
         self._healed = threading.Event()
@@ -113,6 +115,7 @@ class TorchFT:
         lighthouse: str | None = None,
         min_replicas: int = 1,
         start_with: int = 1,
+        must_heal: bool = False,
         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
         quorum_timeout: datetime.timedelta = DEFAULT_QUORUM_TIMEOUT,
         hostname: str | None = None,
@@ -144,7 +147,7 @@ class TorchFT:
             lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
         )  # fmt: skip
-        membership = cls(manager, group, start_with=start_with, collective_timeout=timeout)
+        membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout)
         membership.quorum_timeout = quorum_timeout
         membership._owned = [manager, store]
         return membership
@@ -171,6 +174,9 @@ class TorchFT:
         replicas = self.manager.num_participants()
         if replica is None:
             raise RuntimeError("torchft formed a quorum without this replica group as a participant")
+        if self._first and self.must_heal and not self._healed.is_set() and self.manager.current_step() == 0:
+            raise RuntimeError("a restarted replica group found no peer to heal from (every other group has finished "
+                               "or is gone): it would train alone from the initial values")  # fmt: skip
         comm = ReconfigurableCollectives(self.process_group, replica, replicas, self.collective_timeout)
         return Quorum(comm, replica, replicas, self._healed.is_set(), self.manager.current_step())
 

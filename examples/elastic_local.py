@@ -4,7 +4,7 @@ Starts torchft's lighthouse and ``--replicas`` replica groups (each its own proc
 the byte-level GPT of examples/train_gpt.py with ``mode="local"``), restarts a replica group
 whose process dies, and exits 0 once every replica has finished (``pip install acco[ft]``):
 
-    python examples/elastic_local.py --replicas 2 --steps 300 --log-dir runs/elastic
+    python examples/elastic_local.py --replicas 2 --steps 3000 --log-dir runs/elastic
 
 Kill replica 1 while it trains and watch it rejoin (the other keeps training meanwhile):
 
@@ -34,17 +34,11 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import torch
-
-from acco import AccoOptimizer
-from acco.elastic import TorchFT
-from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
-    sample_batch, split_corpus  # fmt: skip
 
 RESTART_ENV = "ACCO_ELASTIC_START"  # how many times the launcher started this replica group before
 
@@ -78,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--eval-batches", type=int, default=8)
     add("--seed", type=int, default=1337)
     add("--step-seconds", type=float, default=0.0, help="sleep this long per inner step (a slower device)")
-    add("--die-in-round", type=int, default=None, help="testing: this replica group dies (SIGKILL) inside this "
-        "outer round, after its quorum formed, while its peers are in the round's collectives")  # fmt: skip
+    add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
+        "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
     if args.nproc_per_replica != 1:
         parser.error("--nproc-per-replica: elastic replica groups of one process only (docs/elastic.md, 'Not yet')")
@@ -91,19 +85,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------- a replica group
 
 
-class DiesInRound(TorchFT):
-    """Fault injection for tests: SIGKILL once the quorum of round ``round`` formed."""
-
-    die_in_round: int | None = None
-
-    def start_round(self):  # type: ignore[no-untyped-def]
-        quorum = super().start_round()
-        if self.die_in_round is not None and quorum.step >= self.die_in_round:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return quorum
-
-
 def replica_main(args: argparse.Namespace) -> None:
+    # Imported here: the launcher starts the replica groups without waiting for torch to load.
+    import torch
+
+    from acco import AccoOptimizer
+    from acco.elastic import TorchFT
+    from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
+        sample_batch, split_corpus  # fmt: skip
+
+    class DiesInRound(TorchFT):
+        """Fault injection for tests: SIGKILL once the quorum of round ``die_in_round`` formed."""
+
+        die_in_round: int | None = None
+
+        def start_round(self):  # type: ignore[no-untyped-def]
+            quorum = super().start_round()
+            if self.die_in_round is not None and quorum.step >= self.die_in_round:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return quorum
+
     directory, index = Path(args.log_dir), args.replica
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
@@ -117,10 +118,13 @@ def replica_main(args: argparse.Namespace) -> None:
     # A fresh job's first round waits for every replica group; a restarted one joins whoever is training.
     membership = DiesInRound.connect(
         f"replica-{index}", lighthouse=args.lighthouse, min_replicas=args.min_replicas,
-        start_with=args.replicas if started == 0 else 1, timeout=datetime.timedelta(seconds=args.timeout),
+        start_with=args.replicas if started == 0 else 1, must_heal=started > 0,
+        timeout=datetime.timedelta(seconds=args.timeout),
         quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout), hostname=args.hostname,
     )  # fmt: skip
-    membership.die_in_round = args.die_in_round if started == 0 else None
+    if args.die_in_round is not None and started == 0:
+        victim, round_ = (int(n) for n in args.die_in_round.split(":"))
+        membership.die_in_round = round_ if victim == index else None
     # The first round runs here: a restarted replica group takes the global values, the inner
     # optimizer's state and the step count from a peer.
     opt = AccoOptimizer(
@@ -184,17 +188,15 @@ def replica_main(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """The lighthouse and every replica group on this machine; a replica group whose process
     dies is started again (it rejoins and heals from a peer)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO
-    from torchft.coordination import LighthouseServer
-
     directory = Path(args.log_dir)
     directory.mkdir(parents=True, exist_ok=True)
     lighthouse = None
     address = args.lighthouse
-    if address is None:
-        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.min_replicas, join_timeout_ms=100,
-                                      quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_ms)  # fmt: skip
-        address = lighthouse.address()
+    if address is None:  # a free port now; the lighthouse binds it while the replica groups load torch
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::", 0))
+            port = probe.getsockname()[1]
+        address = f"http://{socket.gethostname()}:{port}"
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "OMP_NUM_THREADS": "1"}
 
     def start(index: int, count: int) -> subprocess.Popen:
@@ -205,6 +207,12 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
     starts = {index: 0 for index in range(args.replicas)}
     running = {index: start(index, 0) for index in range(args.replicas)}
+    if args.lighthouse is None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas, join_timeout_ms=100,
+                                      quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_ms)  # fmt: skip
     finished: set[int] = set()
     shown = 0.0
     try:

@@ -682,8 +682,8 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         print0(ctx, progress.line(opt.num_updates, args.updates, scheduler.get_last_lr()[0]))
     if args.mode == "local":
         print0(ctx, f"local steps: {opt.outer_rounds} outer rounds; inner updates per replica "
-                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (stop agreed at {args.updates}, landed sync_delay "
-                    f"later); last plan "
+                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (at most {args.updates + (args.sync_delay or 0)}); "
+                    f"last plan "
                     f"{opt.replica_steps} steps per round")
     elif opt.num_updates != args.updates:
         raise AssertionError(f"trained {opt.num_updates} updates, expected {args.updates}")

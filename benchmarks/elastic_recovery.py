@@ -1,0 +1,131 @@
+"""Elastic replicas: what a lost replica group costs, from kill to rejoin (docs/elastic.md).
+
+Runs examples/elastic_local.py (2 replica groups of one process, an in-process lighthouse) once
+uninterrupted and ``--runs`` times with replica 1 killed (SIGKILL from outside, at a random point
+of its inner steps), and reports per run, from the replicas' jsonl records:
+
+- detect: seconds from the kill to the survivor's first round without it;
+- rejoin: seconds from the kill to the restarted replica's first round (restart and heal included);
+- alone: the survivor's inner steps while replica 1 was gone;
+- the held-out loss of the final global values against the uninterrupted run's (same inner steps);
+- bytes: an outer round's bytes per replica (2 groups, and 1), and the bytes a heal moves: the
+  serialized size of what a peer sends (the global values and the inner AdamW state).
+
+    pip install -e '.[ft]'
+    python benchmarks/elastic_recovery.py --runs 5 --out benchmarks/results/elastic-recovery.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import common
+
+EXAMPLE = common.REPO_ROOT / "examples" / "elastic_local.py"
+
+
+def run(directory: Path, steps: int, kill_after: float | None, seed: int) -> dict[str, Any]:
+    """One launch; ``kill_after``: seconds after replica 1's second round to kill it (None: no kill)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    command = [sys.executable, str(EXAMPLE), "--replicas", "2", "--steps", str(steps), "--sync-every", "10",
+               "--log-dir", str(directory), "--seed", str(seed)]
+    out = open(directory.with_suffix(".out"), "w")
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    killed_at = None
+    try:
+        if kill_after is not None:
+            records = directory / "replica-1.jsonl"
+            while not records.exists() or len(records.read_text().splitlines()) < 2:
+                if process.poll() is not None:
+                    raise RuntimeError("the run ended before the kill")
+                time.sleep(0.01)
+            time.sleep(kill_after)
+            os.kill(int((directory / "replica-1.pid").read_text()), signal.SIGKILL)
+            killed_at = time.time()
+        process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode != 0:
+        raise RuntimeError(f"the launcher failed: {directory.with_suffix('.out').read_text()[-2000:]}")
+    survivor = [json.loads(line) for line in (directory / "replica-0.jsonl").read_text().splitlines()]
+    other = [json.loads(line) for line in (directory / "replica-1.jsonl").read_text().splitlines()]
+    rounds = [r for r in survivor if not r.get("final")]
+    result: dict[str, Any] = {
+        "eval_loss": survivor[-1]["eval_loss"],
+        "same_final": (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text(),
+        "round_bytes": {str(p): statistics.median(r["bytes"] for r in rounds if r["participants"] == p)
+                        for p in sorted({r["participants"] for r in rounds})},
+        "alone_steps": 10 * sum(1 for r in rounds if r["participants"] == 1),
+        "dropped_rounds": sum(1 for r in rounds if r["dropped"]),
+    }  # fmt: skip
+    if killed_at is not None:
+        alone = [r for r in rounds if r["participants"] == 1]
+        restarted = [r for r in other if not r.get("final") and r["pid"] != other[0]["pid"]]
+        result["detect_seconds"] = alone[0]["time"] - killed_at if alone else None
+        result["rejoin_seconds"] = restarted[0]["time"] - killed_at if restarted else None
+    return result
+
+
+def heal_bytes(n_layer: int = 1, n_embd: int = 32, n_head: int = 2, seq_len: int = 32) -> int:
+    """The serialized size of what a peer sends to heal (the example's model): its global values
+    and its inner AdamW state (after a step, its moments allocated)."""
+    sys.path.insert(0, str(common.REPO_ROOT / "examples"))
+    from train_gpt import GPT, GPTConfig, param_groups
+
+    model = GPT(GPTConfig(n_layer, n_embd, n_head, seq_len))
+    inner = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inner.step()
+    state = {"global_values": [torch.cat([p.detach().reshape(-1) for p in model.parameters()])],
+             "inner": [inner.state_dict()]}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getbuffer().nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = run(Path(tmp) / "uninterrupted", args.steps, None, args.seed)
+        killed = [run(Path(tmp) / f"killed-{n}", args.steps, rng.uniform(0.0, 1.5), args.seed) for n in range(args.runs)]
+    size = heal_bytes()
+    print(f"uninterrupted: eval loss {reference['eval_loss']:.4f}; round bytes per replica {reference['round_bytes']}")
+    print(f"a heal moves {size:,} bytes (global values + inner AdamW state, serialized)")
+    print("| run | detect (s) | rejoin (s) | survivor's steps alone | dropped rounds | eval loss | vs uninterrupted |")
+    print("|---|---|---|---|---|---|---|")
+    for n, result in enumerate(killed):
+        gap = result["eval_loss"] / reference["eval_loss"] - 1
+        print(f"| {n} | {result['detect_seconds']:.2f} | {result['rejoin_seconds']:.2f} | {result['alone_steps']} | "
+              f"{result['dropped_rounds']} | {result['eval_loss']:.4f} | {gap:+.2%} |")
+    print(f"median: detect {statistics.median(r['detect_seconds'] for r in killed):.2f} s, rejoin "
+          f"{statistics.median(r['rejoin_seconds'] for r in killed):.2f} s, loss "
+          f"{statistics.median(r['eval_loss'] / reference['eval_loss'] - 1 for r in killed):+.2%}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"steps": args.steps, "reference": reference, "killed": killed,
+                                              "heal_bytes": size}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
