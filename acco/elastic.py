@@ -320,6 +320,8 @@ class ElasticRunner(LaneWork):
                     with record.phase(stats, "all-gather"):
                         received += legs.gather(quorum.collectives, place, number, master, values[number], values[number])
                 stats.collective_bytes = sent + received
+        except FloatingPointError as error:  # nonfinite="raise": the same report on every participant
+            raise self._failed(round_, error) from error
         except Exception as error:
             succeeded = False
             self._membership.report_error(error)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import types
 import warnings
 
 import pytest
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from acco import AccoOptimizer, CommLaneError
+from acco.elastic import TorchFT
 from tests.helpers import TIMEOUT, assert_params_equal, inside, this_rank
 from tests.reference import loss_fn, make_model, micro_batch, params_of
 
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 # ------------------------------------------------------------- constructor arguments
 
 
+ELASTIC = TorchFT(types.SimpleNamespace(), None)
 BAD_ARGUMENTS = [
     (dict(optimizer_class=nn.Linear), TypeError, "torch.optim.Optimizer subclass"),
     (dict(optimizer_class=lambda params: None), TypeError, "torch.optim.Optimizer subclass"),
@@ -51,6 +54,15 @@ BAD_ARGUMENTS = [
     (dict(nonfinite="ignore"), ValueError, "Invalid nonfinite"),
     (dict(estimate_dtype="bfloat16"), TypeError, "Invalid estimate_dtype: 'bfloat16'"),
     (dict(estimate_dtype=torch.float32), ValueError, "not lighter than the reduce dtype torch.float32"),
+    # Elastic replicas (acco.elastic; a TorchFT that is never asked anything: the checks come first).
+    (dict(mode="local", membership=ELASTIC, pacing="lockstep", sync_delay=2), ValueError,
+     "Invalid sync_delay with membership: 2"),
+    (dict(mode="local", membership=ELASTIC), ValueError, "Invalid pacing with membership: 'speed'"),
+    (dict(mode="local", membership=ELASTIC, pacing="lockstep", outer_bits=32), ValueError,
+     "Invalid outer_bits with membership: 32"),
+    (dict(mode="local", membership=ELASTIC, pacing="lockstep", timeout=datetime.timedelta(seconds=5)), ValueError,
+     "quorum_timeout is 0:02:00"),
+    (dict(mode="local", membership=object(), pacing="lockstep"), TypeError, "Invalid membership"),
 ]
 
 
@@ -66,6 +78,14 @@ def test_bad_arguments_raise_clear_errors(overrides: dict, error: type[Exception
     """Each bad argument raises the documented exception type with the value in the message."""
     with pytest.raises(error, match=message):
         construct(**overrides)
+
+
+def test_torchft_membership_refuses_an_async_quorum() -> None:
+    """A heal must complete before the round's collectives: torchft's Manager in sync mode."""
+    with pytest.raises(ValueError, match="use_async_quorum=False"):
+        TorchFT(types.SimpleNamespace(_use_async_quorum=True), None)
+    with pytest.raises(ValueError, match="Invalid start_with: 0"):
+        TorchFT(types.SimpleNamespace(), None, start_with=0)
 
 
 def bad_arguments_then_training() -> float:
