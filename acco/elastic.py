@@ -29,6 +29,7 @@ import datetime
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,7 @@ class TorchFT:
         self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
         self._healed = threading.Event()
         self._first = True
+        self._waiting_since: float | None = None
         self._owned: list[Any] = []  # what connect() made, shut down by close()
 
     @classmethod
@@ -174,19 +176,28 @@ class TorchFT:
         replicas = self.manager.num_participants()
         if replica is None:
             raise RuntimeError("torchft formed a quorum without this replica group as a participant")
-        if self._first and self.must_heal and not self._healed.is_set() and self.manager.current_step() == 0:
+        if (self._first and self.must_heal and not self._healed.is_set() and self.manager.current_step() == 0
+                and self.manager.errored() is None):  # (a heal that failed is retried at the next round)
             raise RuntimeError("a restarted replica group found no peer to heal from (every other group has finished "
                                "or is gone): it would train alone from the initial values")  # fmt: skip
         comm = ReconfigurableCollectives(self.process_group, replica, replicas, self.collective_timeout)
         return Quorum(comm, replica, replicas, self._healed.is_set(), self.manager.current_step())
 
-    def agree(self, quorum: Quorum, succeeded: bool) -> bool:
+    def agree(self, quorum: Quorum, succeeded: bool, device: torch.device | None = None) -> bool:
         """Whether the round lands: every participant's legs succeeded (one all-reduce of the
         failures), the first round had ``start_with`` groups, and torchft's vote. The same on
         every participant, unless a peer dies within this very exchange (the one that lands
         is ahead: torchft heals the other from it at the next round)."""
+        # torchft's own errors of this round (a heal or a reconfiguration that failed) count too:
+        # its commit vote counts only this replica group's ranks.
+        succeeded = succeeded and self.manager.errored() is None
         waiting = self._first and quorum.replicas < self.start_with
-        failures = torch.tensor([0.0 if succeeded and not waiting else 1.0], dtype=torch.float64)
+        if waiting and self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        if waiting and time.monotonic() - self._waiting_since > self.quorum_timeout.total_seconds():
+            raise TimeoutError(f"the first round waited {self.quorum_timeout} for {self.start_with} replica groups; "
+                               f"{quorum.replicas} came")  # fmt: skip
+        failures = torch.tensor([0.0 if succeeded and not waiting else 1.0], dtype=torch.float64, device=device)
         try:
             quorum.collectives.all_reduce_sum_(failures)  # every participant learns of any failure
         except Exception as error:  # a peer died: nobody lands this round
@@ -240,7 +251,14 @@ class ElasticRunner(LaneWork):
         heal_state / load_heal_state: the loop's state a restarted replica takes from a peer,
             and how it takes it (see :meth:`acco.local.LocalLoop.heal_state`).
         *args: the rest of :class:`~acco.runner.LaneWork`'s.
+
+    A round whose own legs fail is dropped on every participant (a peer lost mid-round); after
+    ``max_failed_rounds`` such rounds in a row the error is this replica's own and is raised
+    (``CommLaneError`` at ``step()``), as a non-finite round with ``nonfinite="raise"`` and a
+    quorum that never forms are.
     """
+
+    max_failed_rounds = 3
 
     def __init__(
         self,
@@ -266,6 +284,7 @@ class ElasticRunner(LaneWork):
         self._round: Any = None  # the round being run (a heal rewrites its hand-over)
         self._load_heal_state = load_heal_state
         membership.bind(heal_state, self._heal)
+        self._failures: list[Exception] = []  # this replica's own failed rounds in a row
         self.replica, self.replicas = 0, 1
         self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
         self.last_quorum: Quorum | None = None
@@ -325,10 +344,18 @@ class ElasticRunner(LaneWork):
         except Exception as error:
             succeeded = False
             self._membership.report_error(error)
+            self._failures.append(error)
             _log.warning("elastic outer round %d dropped on this replica group: %s: %s", stats.index,
                          type(error).__name__, error)  # fmt: skip
-        with record.phase(stats, "agree"):
-            committed = self._membership.agree(quorum, succeeded)
+            if len(self._failures) >= self.max_failed_rounds:  # not a peer lost: an error of its own
+                raise self._failed(round_, error) from error
+        else:
+            self._failures.clear()
+        try:
+            with record.phase(stats, "agree"):
+                committed = self._membership.agree(quorum, succeeded, self._groups[0].device)
+        except Exception as error:
+            raise self._failed(round_, error) from error
         stats.participants = quorum.replicas
         if committed:
             for group, plan, new in zip(self._groups, self._epoch.plans, values):
@@ -350,13 +377,18 @@ class ElasticRunner(LaneWork):
 
     def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport]:
         """Every participant's hand-over and non-finite flag, in one all-reduce."""
-        own, fields = round_.hand_over, 5
-        flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64)
+        own, fields, device = round_.hand_over, 5, self._groups[0].device
+        flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
-        flags[0] = self._nonfinite_flag(round_.params).cpu()
+        flags[0] = self._nonfinite_flag(round_.params)
         quorum.collectives.all_reduce_sum_(flags)
+        flags = flags.cpu()
+        if flags[0]:  # some sum was not finite: an exact scan (a sum may overflow on finite values)
+            exact = torch.stack([(~torch.isfinite(t)).any() for t in round_.params]).any().double().reshape(1)
+            quorum.collectives.all_reduce_sum_(exact)
+            flags[0] = exact.cpu()[0]
         rows = flags[1:].view(quorum.replicas, fields).tolist()
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),

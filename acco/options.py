@@ -284,17 +284,21 @@ class LocalOptions:
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
         if membership is not None:
-            _check_membership(membership, delay, paced, int(outer_bits))
+            _check_membership(membership, delay, paced, int(outer_bits), type(probe))
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
                    weighting, shown, membership)  # fmt: skip
 
 
-def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int) -> None:
+def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int, outer_class: type) -> None:
     """Elastic rounds (:mod:`acco.elastic`): blocking, in lockstep, quantised (torchft's gloo
-    group has all-to-all and all-gather, no reduce-scatter)."""
+    group has all-to-all and all-gather, no reduce-scatter), an element-wise outer optimizer (it
+    steps flat chunks among the replicas present)."""
     if not all(callable(getattr(membership, name, None)) for name in ("start_round", "agree", "bind")):
         raise TypeError(f"Invalid membership: {membership!r} (an acco.elastic.TorchFT)")
+    if not issubclass(outer_class, _ELEMENTWISE):
+        raise ValueError(f"Invalid outer_optimizer with membership: {outer_class.__name__} (elastic rounds step flat "
+                         "chunks of the parameters: an element-wise optimizer such as SGD or Adam)")  # fmt: skip
     if sync_delay != 0:
         raise ValueError(f"Invalid sync_delay with membership: {sync_delay!r} (elastic outer rounds are blocking: 0)")
     if pacing != LOCKSTEP:

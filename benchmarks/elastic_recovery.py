@@ -12,7 +12,7 @@ of its inner steps), and reports per run, from the replicas' jsonl records:
   serialized size of what a peer sends (the global values and the inner AdamW state).
 
     pip install -e '.[ft]'
-    python benchmarks/elastic_recovery.py --runs 5 --out benchmarks/results/elastic-recovery.json
+    python benchmarks/elastic_recovery.py --runs 6 --out benchmarks/results/elastic-recovery.json
 """
 
 from __future__ import annotations

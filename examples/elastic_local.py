@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 RESTART_ENV = "ACCO_ELASTIC_START"  # how many times the launcher started this replica group before
+SPARE_ENV = "ACCO_ELASTIC_SPARE"  # a process that loads torch, then waits to replace a replica group's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
     add("--quorum-timeout", type=float, default=60.0, help="seconds a round waits for a quorum")
     add("--max-restarts", type=int, default=3, help="restarts per replica group before the launcher gives up")
+    add("--warm-spares", action="store_true", help="keep a process per replica group with torch loaded, to replace "
+        "one that dies sooner (costs a process's memory and, while it loads, CPU)")  # fmt: skip
     add("--data", default=None, help="a text file or directory (default: Python's stdlib)")
     add("--max-bytes", type=int, default=400_000)
     add("--n-layer", type=int, default=1)
@@ -107,6 +110,12 @@ def replica_main(args: argparse.Namespace) -> None:
 
     directory, index = Path(args.log_dir), args.replica
     directory.mkdir(parents=True, exist_ok=True)
+    if os.environ.get(SPARE_ENV):  # a warm spare: torch is loaded; the launcher says when to take over
+        line = sys.stdin.readline()
+        if not line:
+            return
+        os.environ[RESTART_ENV] = line.strip()
+        print(f"replica {index} | a warm spare takes over", flush=True)
     (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
     started = int(os.environ.get(RESTART_ENV, "0"))
     torch.set_num_threads(1)
@@ -153,6 +162,7 @@ def replica_main(args: argparse.Namespace) -> None:
                   + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
             losses = []
 
+    print(f"replica {index} | joined at round {opt.outer_rounds}, inner step {opt.num_updates}", flush=True)
     record_rounds()
     opt.stop_after(steps=args.steps)
     while not opt.should_stop:
@@ -199,14 +209,35 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         address = f"http://{socket.gethostname()}:{port}"
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "OMP_NUM_THREADS": "1"}
 
-    def start(index: int, count: int) -> subprocess.Popen:
-        (directory / f"replica-{index}.final").unlink(missing_ok=True)
+    def start(index: int, count: int | None) -> subprocess.Popen:
+        """Replica group ``index``'s process (``count``: its start; None: a warm spare that waits)."""
         command = [sys.executable, str(Path(__file__).resolve()), *argv, "--replica", str(index), "--lighthouse", address]
         output = open(directory / f"replica-{index}.log", "a")
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**env, RESTART_ENV: str(count)})
+        extra = {SPARE_ENV: "1"} if count is None else {RESTART_ENV: str(count)}
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**env, **extra},
+                                stdin=subprocess.PIPE if count is None else None)  # fmt: skip
 
+    def restart(index: int, count: int) -> subprocess.Popen:
+        """The warm spare takes over (torch already loaded: the rejoin is not a cold start), and a new
+        spare starts loading."""
+        spare = spares.pop(index, None)
+        if spare is None or spare.poll() is not None:
+            return start(index, count)
+        spare.stdin.write(f"{count}\n".encode())
+        spare.stdin.close()
+        spares[index] = start(index, None)
+        return spare
+
+    for index in range(args.replicas):
+        (directory / f"replica-{index}.final").unlink(missing_ok=True)
     starts = {index: 0 for index in range(args.replicas)}
     running = {index: start(index, 0) for index in range(args.replicas)}
+    spares: dict[int, subprocess.Popen] = {}
+    launched = time.time()
+
+    def training(index: int) -> bool:
+        records = directory / f"replica-{index}.jsonl"
+        return records.exists() and records.stat().st_mtime >= launched
     if args.lighthouse is None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO
         from torchft.coordination import LighthouseServer
@@ -228,9 +259,12 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                 elif starts[index] < args.max_restarts and running:
                     starts[index] += 1
                     print(f"replica {index} died (exit code {code}): restart {starts[index]}", flush=True)
-                    running[index] = start(index, starts[index])
+                    running[index] = restart(index, starts[index])
                 else:
                     print(f"replica {index} died (exit code {code}) and is not restarted", flush=True)
+            if args.warm_spares and not spares and running and all(training(index) for index in running):
+                # Warm spares load torch once the replica groups train (not during their own start-up).
+                spares.update({index: start(index, None) for index in running})
             if time.monotonic() - shown > 2.0 and running:
                 shown = time.monotonic()
                 for index in sorted(running):
@@ -240,7 +274,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                               f"{last.get('participants')} replica group(s)", flush=True)  # fmt: skip
             time.sleep(0.1)
     finally:
-        for process in running.values():
+        for process in [*running.values(), *spares.values()]:
             process.kill()
         if lighthouse is not None:
             lighthouse.shutdown()

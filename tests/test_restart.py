@@ -17,13 +17,13 @@ pytestmark = pytest.mark.timeout(300)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
         "--max-bytes", "200000", "--eval-batches", "2", "--eval-every", "0", "--log-every", "50",
-        "--updates", "120", "--ckpt-every", "20", "--timeout", "20"]
+        "--updates", "60", "--ckpt-every", "20", "--timeout", "20"]
 
 
 # mode="local" on a 2 x 2 mesh (FSDP2 inside each replica group), replicas in lockstep (reproducible),
 # a checkpoint every second outer round of 5 inner updates, each round 2 updates in flight.
 LOCAL_MESH = ["--mode", "local", "--mesh", "2x2", "--inner", "fsdp", "--pacing", "lockstep", "--sync-every", "5",
-              "--sync-delay", "2", "--updates", "40", "--ckpt-every", "10"]
+              "--sync-delay", "2", "--updates", "30", "--ckpt-every", "10"]
 RUNS = {"acco": (2, 5, ["--mode", "acco"]), "local-mesh": (4, 1, LOCAL_MESH)}
 
 
