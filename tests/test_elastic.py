@@ -133,16 +133,21 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
 
 # ----------------------------------------------------------------------------- the fault test
 
-STEPS, STEP_SECONDS = 600, 0.01  # paced (sleeping): a restart is not starved by the training runs beside it
-RUN = ["--replicas", "2", "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS), "--sync-every", "10",
-       "--timeout", "10", "--quorum-timeout", "60"]
+STEPS, STEP_SECONDS = 500, 0.01  # paced (sleeping, one micro-batch a step): a restart is not starved by the runs beside it
+RUN = ["--replicas", "2", "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS), "--micro-batches", "1",
+       "--sync-every", "10", "--timeout", "10", "--quorum-timeout", "60"]
+
+
+LIGHTHOUSES: list = []  # one per run, served from this process (the launchers then load no torch)
 
 
 def launch(directory: Path, *extra: str) -> subprocess.Popen:
+    server = lighthouse()
+    LIGHTHOUSES.append(server)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     log = open(directory.with_suffix(".out"), "w")
-    return subprocess.Popen([sys.executable, str(EXAMPLE), *RUN, "--log-dir", str(directory), *extra], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+    command = [sys.executable, str(EXAMPLE), *RUN, "--log-dir", str(directory), "--lighthouse", server.address(), *extra]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def finish(process: subprocess.Popen, directory: Path) -> None:
@@ -208,8 +213,8 @@ def check_run(directory: Path, uninterrupted: float) -> None:
 
 @pytest.mark.timeout(400)
 def test_ten_runs_a_killed_replica_group_rejoins_while_the_other_trains(tmp_path) -> None:
-    """10 runs (:func:`killed_run`, two at a time; the uninterrupted run beside the first two), each
-    checked by :func:`check_run` against the uninterrupted run's held-out loss: 10 of 10 pass."""
+    """10 runs (:func:`killed_run`, two at a time; the uninterrupted run beside the first two),
+    each checked by :func:`check_run` against the uninterrupted run's held-out loss: 10 of 10 pass."""
     reference = tmp_path / "uninterrupted"
     batches = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     outcomes: dict[int, Path] = {}
@@ -231,4 +236,6 @@ def test_ten_runs_a_killed_replica_group_rejoins_while_the_other_trains(tmp_path
             check_run(directory, finals[0]["eval_loss"])
         except AssertionError as error:
             failed.append(f"run {n}: {error}")
+    for server in LIGHTHOUSES:
+        server.shutdown()
     assert not failed, "\n".join(failed)
