@@ -133,7 +133,7 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
 
 # ----------------------------------------------------------------------------- the fault test
 
-STEPS, STEP_SECONDS = 500, 0.01  # paced (sleeping, one micro-batch a step): a restart is not starved by the runs beside it
+STEPS, STEP_SECONDS = 450, 0.01  # paced (sleeping, one micro-batch a step): a restart is not starved by the runs beside it
 RUN = ["--replicas", "2", "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS), "--micro-batches", "1",
        "--sync-every", "10", "--timeout", "10", "--quorum-timeout", "60"]
 

@@ -23,7 +23,7 @@ TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
 # mode="local" on a 2 x 2 mesh (FSDP2 inside each replica group), replicas in lockstep (reproducible),
 # a checkpoint every second outer round of 5 inner updates, each round 2 updates in flight.
 LOCAL_MESH = ["--mode", "local", "--mesh", "2x2", "--inner", "fsdp", "--pacing", "lockstep", "--sync-every", "5",
-              "--sync-delay", "2", "--updates", "30", "--ckpt-every", "10"]
+              "--sync-delay", "2", "--updates", "20", "--ckpt-every", "10"]
 RUNS = {"acco": (2, 5, ["--mode", "acco"]), "local-mesh": (4, 1, LOCAL_MESH)}
 
 
