@@ -287,7 +287,6 @@ class ElasticRunner(LaneWork):
         self._failures: list[Exception] = []  # this replica's own failed rounds in a row
         self.replica, self.replicas = 0, 1
         self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
-        self.last_quorum: Quorum | None = None
 
     # -------------------------------------------------------------------------- the round
 
@@ -307,7 +306,6 @@ class ElasticRunner(LaneWork):
                 quorum = self._membership.start_round()
         except Exception as error:
             raise self._failed(round_, error) from error
-        self.last_quorum = quorum
         self.replica, self.replicas = quorum.replica, quorum.replicas
         stats.update_weight = float(quorum.replicas)
         succeeded, values = True, None
@@ -321,9 +319,10 @@ class ElasticRunner(LaneWork):
             if nonfinite and self._options.nonfinite is NonFinite.RAISE:
                 raise FloatingPointError(f"non-finite parameters on {nonfinite} replica(s)")
             stats.skipped = bool(nonfinite)
-            values = [copies.clone() for copies in self._copies()]
+            copies = self._copies()
+            values = [values.clone() for values in copies]
             if not nonfinite and not (factors is not None and not any(factors)):
-                legs = QuantizedLegs(self._codec, self._copies(), self._residuals)
+                legs = QuantizedLegs(self._codec, copies, self._residuals)
                 sent = received = 0
                 for number, (group, plan) in enumerate(zip(self._groups, epoch.plans)):
                     place = _Place(plan, epoch.replica)
@@ -386,9 +385,7 @@ class ElasticRunner(LaneWork):
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
         if flags[0]:  # some sum was not finite: an exact scan (a sum may overflow on finite values)
-            exact = torch.stack([(~torch.isfinite(t)).any() for t in round_.params]).any().double().reshape(1)
-            quorum.collectives.all_reduce_sum_(exact)
-            flags[0] = exact.cpu()[0]
+            flags[0] = self._confirm_nonfinite(round_.params, quorum.collectives)
         rows = flags[1:].view(quorum.replicas, fields).tolist()
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),

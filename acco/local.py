@@ -110,7 +110,10 @@ class LocalLoop(Loop):
         self.pacing.join(self.lane_work.replica, self.lane_work.replicas)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
         if local.membership is not None:
-            self._join()
+            # The join: a first round with nothing to hand over (torchft forms its quorum with the
+            # replica groups alive; a group behind them, e.g. restarted, takes a peer's state in it:
+            # load_heal_state()).
+            self._run_until_landed()
 
     @staticmethod
     def sharded_class(options: Options) -> type | None:
@@ -166,10 +169,7 @@ class LocalLoop(Loop):
             self._land()
         if self.pacing.finish_runs_last_round(clock.unsynced):
             self.pacing.finishing = True
-            landed = False
-            while not landed:  # a dropped round (elastic replicas) is run again with those present
-                self._launch()
-                landed = self._land(discard=True)
+            self._run_until_landed(discard=True)
             committed = True
         elif clock.unsynced:  # another replica finished: its last round was the one just landed
             for group, values in zip(self._groups, self.global_values):
@@ -200,14 +200,13 @@ class LocalLoop(Loop):
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
 
-    def _join(self) -> None:
-        """Elastic replicas: a first round with nothing to hand over, repeated until one lands
-        (torchft forms its quorum with the replica groups alive; a group behind them, e.g.
-        restarted, takes a peer's state in it: :meth:`load_heal_state`)."""
-        landed = False
-        while not landed:
+    def _run_until_landed(self, discard: bool = False) -> None:
+        """A blocking round, launched again while it is dropped (elastic replicas: run again with
+        the replica groups present; a fixed group's round always lands)."""
+        while True:
             self._launch()
-            landed = self._land()
+            if self._land(discard=discard):
+                return
 
     def heal_state(self) -> dict[str, Any]:
         """What a restarted replica group takes from this one (elastic replicas): the global
@@ -215,9 +214,10 @@ class LocalLoop(Loop):
         round's launch (copies: torchft serves them while the round runs)."""
         return {
             "global_values": [values.detach().cpu().clone() for values in self.global_values],
-            "inner": copy.deepcopy([{**s, "state": {i: {k: v.detach().cpu().clone() if isinstance(v, Tensor) else v
-                                                         for k, v in e.items()} for i, e in s["state"].items()}}
-                                    for s in self.inner.state_dicts()]),
+            "inner": [{"param_groups": copy.deepcopy(s["param_groups"]),
+                       "state": {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
+                                     for k, v in e.items()} for i, e in s["state"].items()}}
+                      for s in self.inner.state_dicts()],
             "clock": {"inner_steps": self.clock.inner_steps, "outer_rounds": self.clock.outer_rounds,
                       "skipped_outer_rounds": self.clock.skipped_outer_rounds},
             "counts": {"num_updates": self._counts.num_updates, "skipped_updates": self._counts.skipped_updates,

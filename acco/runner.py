@@ -128,13 +128,14 @@ class LaneWork:
         sums = torch.stack([t.sum().double() for t in tensors])
         return (~torch.isfinite(sums)).any().double()
 
-    def _confirm_nonfinite(self, tensors: Sequence[Tensor]) -> int:
+    def _confirm_nonfinite(self, tensors: Sequence[Tensor], collectives: Any = None) -> int:
         """How many ranks really hold a NaN or inf (a sum may overflow on huge finite values).
 
-        Runs on every rank once the all-reduced flags say some rank's sum was not finite.
+        Runs on every rank once the all-reduced flags say some rank's sum was not finite, over
+        ``collectives`` (default: the mesh's; an elastic round: the round's participants).
         """
         exact = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().double().reshape(1)
-        self._mesh_comm.all_reduce_sum_(exact)
+        (self._mesh_comm if collectives is None else collectives).all_reduce_sum_(exact)
         return int(self._device_hooks.host_copy(exact)(self._options.timeout.total_seconds()).item())
 
 
