@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,7 +251,7 @@ class LocalLoop(Loop):
         parameters and its inner steps, which the next round carries."""
         clock, round_ = self.clock, self._schedule.take_in_flight()
         started = time.perf_counter()
-        stats = self._schedule.wait(round_)
+        stats = self._schedule.wait(round_, self._stall_watch())
         self.pacing.waited_for_round(time.perf_counter() - started)
         if stats.dropped:
             self.pacing.put_back(round_.hand_over)
@@ -275,6 +275,25 @@ class LocalLoop(Loop):
         clock.outer_rounds += 1
         clock.skipped_outer_rounds += int(stats.skipped)
         return True
+
+    def _stall_watch(self) -> Callable[[LaneRound], None] | None:
+        """What a wait for a round watches while the replicas' plans differ: how long the comm
+        lane has been waiting for the others' hand-overs (the round's ``totals``), which
+        :meth:`Pacing.check_stall` bounds; None: nothing to watch (equal plans)."""
+        bound = self.pacing.stall_bound(self._parts.options.timeout.total_seconds())
+        if bound is None:
+            return None
+        since = time.perf_counter()
+
+        def watch(round_: LaneRound) -> None:
+            nonlocal since
+            now = time.perf_counter()
+            if round_.stats.phase != "totals":  # not (or no longer) waiting for the others' hand-overs
+                since = now
+                return
+            self.pacing.check_stall(now - since, bound, round_.stats.index)
+
+        return watch
 
     @property
     def outer_rounds(self) -> int:  # type: ignore[override]

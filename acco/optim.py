@@ -83,11 +83,13 @@ class _Started:
     the groups, drained or destroyed (:meth:`Collectives.drain` says why) and dropped.
     """
 
-    def __init__(self, lane: ThreadLane, owned: list[Collectives], borrowed: Collectives, exit_wait: float) -> None:
+    def __init__(self, lane: ThreadLane, owned: list[Collectives], borrowed: Collectives, exit_wait: float,
+                 schedule: RoundSchedule) -> None:
         self._lane = lane
         self._owned = owned
         self._borrowed = borrowed
         self.exit_wait = exit_wait
+        self._schedule = schedule
         _NOT_GIVEN_BACK.add(self)
 
     def finish(self, wait: float, keep: Any) -> None:
@@ -105,8 +107,9 @@ class _Started:
 
     def at_exit(self, wait: float) -> None:
         """Interpreter exit without ``finish()``: wait up to ``wait`` s for the lane's last
-        round, then destroy and drop the groups. A lane still busy (a peer gone) keeps them."""
-        if self._give_back(wait, None):
+        round (not at all once a wait for it failed: it waits for peers that will not come),
+        then destroy and drop the groups. A lane still busy (a peer gone) keeps them."""
+        if self._give_back(0.0 if self._schedule.failure is not None else wait, None):
             for comm in self._owned:
                 comm.destroy()
 
@@ -306,12 +309,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         made = open_groups(self._comm, inner, timeout)
         self._lane_comm, self._replica_comm = made.lane, made.replica
         self._lane = make_lane(self._groups[0].device)
-        self._started = _Started(self._lane, made.owned(), self._comm, min(options.wait_seconds, EXIT_WAIT_SECONDS))
+        self._recorder = StatsRecorder(self._lane.device_hooks)
+        self._schedule = RoundSchedule(loop_class.round_kinds, self._recorder, options.wait_seconds)
+        self._started = _Started(self._lane, made.owned(), self._comm, min(options.wait_seconds, EXIT_WAIT_SECONDS),
+                                 self._schedule)
         # Collected unfinished: the lane's thread stops (the exit hook gives the groups back).
         # The worker drops the flat buffers only after its stream has finished with them.
         weakref.finalize(self, self._started.close, self._groups)
-        self._recorder = StatsRecorder(self._lane.device_hooks)
-        self._schedule = RoundSchedule(loop_class.round_kinds, self._recorder, options.wait_seconds)
         self._folder = GradFolder(self._groups, self._schedule.count)
         self._counts = UpdateCounts()
         # The mode's loop: what step(), ready(), finish() and its state mean (acco.loops).

@@ -23,14 +23,48 @@ first all-reduce carries: no collective of its own.
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
+import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
 
-__all__ = ["HandOver", "Pacing", "ReplicaReport"]
+__all__ = ["HandOver", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "pace_window", "STALL_ROUNDS", "STALL_SHARE"]
+
+_log = logging.getLogger("acco")
+
+# Speed pacing engages only on a real speed gap (docs/loops.md, "Replicas of different speeds",
+# and benchmarks/pacing_noise.py, which measured the rule): a replica's pace is the median of its
+# last step-to-step times (pace_window), the time step() waited for a round left out, so an evaluation, a
+# checkpoint, or a wait in the loop's own collective for a replica that was landing a round (one
+# long step each) does not count; and a replica takes fewer than sync_every steps only when it
+# is slower than the fastest by more than this share of the fastest's speed.
+SPEED_BAND = 0.2
+# While the replicas' plans differ, step() raises PacingStall once it has waited for the others'
+# hand-overs longer than the longest planned round times STALL_ROUNDS, and at least STALL_SHARE of
+# the optimizer's timeout (benchmarks/pacing_noise.py measured how long those waits are).
+STALL_ROUNDS = 4.0
+STALL_SHARE = 0.1
+
+
+def pace_window(sync_every: int) -> int:
+    """How many of a replica's last step times its pace is the median of: a round's worth (so a
+    gap must hold over most of a round's steps to count), across rounds (a replica that takes a
+    few steps a round, or a last round of one step, is measured over as many), at least 8."""
+    return max(sync_every, 8)
+
+
+class PacingStall(RuntimeError):
+    """``step()`` waited for the other replicas' hand-overs far longer than their measured pace
+    explains while speed pacing gave them different plans: most likely a collective of the loop
+    at step counts, which paced replicas reach at different times."""
 
 
 @dataclass(frozen=True)
@@ -99,15 +133,20 @@ class Pacing:
     With ``pacing="lockstep"`` (or a list giving every replica the same count) a replica
     launches every ``sync_every`` inner steps, the same on every rank. Otherwise replica r
     launches after ``plan[r]`` steps: its schedule's, or with ``"speed"`` the last landed
-    round's report's: ``plan[r] = clamp(floor(H t_min / t_r + 1/2), max(1, D), H)``, so the
-    fastest takes ``H = sync_every`` and a round takes about the same time on each; the first
-    round is a quarter round each (nothing is measured yet); a replica within one step of the
-    fastest takes ``H`` too.
+    round's report's. ``"speed"`` starts in lockstep (``sync_every`` each) and stays there
+    while every replica's speed is within :data:`SPEED_BAND` of the fastest's (replicas of
+    equal speed: the lockstep run, bit for bit); a replica slower than that takes
+    ``clamp(floor(H t_min / t_r + 1/2), max(1, D), H)`` steps, so a round takes about the same
+    time on each. ``t_r`` is replica r's median step-to-step time over its last
+    :func:`pace_window` steps, its waits for a round left out.
 
     Attributes:
         options: ``sync_every``, ``sync_delay``, ``pacing``.
         replica / replicas: this replica's number and how many there are.
         plan: each replica's inner steps in the current round.
+        paced_apart: some landed round gave the replicas different plans (then ``finish()``
+            always runs a last round: a replica cannot know what the others hold).
+        announce: this rank logs the warning when plans first differ (global rank 0).
         round_steps / round_weight: the inner steps since the last launch, and the weights of
             their updates (what the next hand-over reports).
         stop_requested / should_stop: this replica asks to stop at its next launch; some
@@ -129,6 +168,8 @@ class Pacing:
     round_weight: float = 0.0
     stop_requested: bool = False
     should_stop: bool = False
+    paced_apart: bool = False
+    announce: bool = False
     finishing: bool = False
     peer_finished: list[int] = field(default_factory=list)
     last_report: ReplicaReport | None = None
@@ -143,10 +184,16 @@ class Pacing:
     waited: float = 0.0
     round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
     pace: float = 0.0  # seconds per step over the last round (0: not measured)
+    # The pace reported: the last PACE_WINDOW(sync_every) step-to-step times, across rounds, each
+    # less the time step() waited for a round in it.
+    step_times: collections.deque[float] = field(default_factory=collections.deque)
+    last_step_end: float | None = None
+    waited_in_step: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.plan:
             self.plan = self.first_plan()
+        self.step_times = collections.deque(maxlen=pace_window(self.options.sync_every))
 
     def join(self, replica: int, replicas: int) -> None:
         """This replica's number among ``replicas``, once the outer round's group is known.
@@ -155,7 +202,9 @@ class Pacing:
             ValueError: a schedule with another number of entries (on every rank alike).
         """
         self.replica, self.replicas = replica, replicas
+        self.announce = not dist.is_initialized() or dist.get_rank() == 0
         self.plan = self.first_plan()
+        self.paced_apart = len(set(self.plan)) > 1  # a schedule that gives replicas different steps
         if len(self.plan) != replicas:
             raise ValueError(
                 f"Invalid pacing: {self.options.pacing!r} gives {len(self.plan)} replicas' inner steps, and there are "
@@ -167,16 +216,12 @@ class Pacing:
         return self.options.lockstep
 
     def first_plan(self) -> list[int]:
-        """The first round's steps: the schedule's; with ``"speed"`` a quarter round each, at
-        least 2 (no speed is measured yet: a slow replica holds the others up for a quarter
-        round, once; its pace is timed from the end of its first step)."""
-        pacing, every = self.options.pacing, self.options.sync_every
+        """The first round's steps: the schedule's; ``sync_every`` each otherwise (with
+        ``"speed"`` nothing is measured yet, and replicas of equal speed never leave lockstep)."""
+        pacing = self.options.pacing
         if isinstance(pacing, tuple):
             return list(pacing)
-        if pacing == SPEED:
-            delay = self.options.sync_delay
-            return [min(every, max(every // 4, delay if isinstance(delay, int) else 0, 2))] * self.replicas
-        return [every] * self.replicas
+        return [self.options.sync_every] * self.replicas
 
     @property
     def target(self) -> int:
@@ -214,6 +259,10 @@ class Pacing:
         """An inner step ended (``weight``: its update's, 0 if none was applied)."""
         self.round_steps += 1
         self.round_weight += weight
+        now = time.perf_counter()
+        if self.last_step_end is not None:
+            self.step_times.append(now - self.last_step_end - self.waited_in_step)
+        self.last_step_end, self.waited_in_step = now, 0.0
         if not self.timing:
             self.busy_since, self.waited, self.timing = time.perf_counter(), 0.0, True
         else:
@@ -222,18 +271,20 @@ class Pacing:
     def waited_for_round(self, seconds: float) -> None:
         """``step()`` waited this long for a round: not this replica's pace."""
         self.waited += seconds
+        self.waited_in_step += seconds
 
     def seconds_per_step(self, now: float) -> float:
         """This replica's pace since the last launch (0: not measured yet)."""
         return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
 
     def hand_over(self) -> HandOver:
-        """What the launch now tells the others; the round's counters start again."""
+        """What the launch now tells the others (its pace: the median of its last step times);
+        the round's counters start again."""
         now = time.perf_counter()
-        report = HandOver(self.round_steps, self.round_weight, self.seconds_per_step(now), self.stop_requested,
-                          self.finishing)  # fmt: skip
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        report = HandOver(self.round_steps, self.round_weight, median, self.stop_requested, self.finishing)
         self.round_wall = now - self.busy_since if self.timed_steps == self.round_steps else 0.0
-        self.pace = report.step_seconds or self.pace
+        self.pace = self.seconds_per_step(now) or self.pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
         return report
@@ -245,13 +296,13 @@ class Pacing:
         self.round_weight += hand_over.weight
 
     def finish_runs_last_round(self, unsynced: bool) -> bool:
-        """Whether ``finish()`` runs a last round: with paced replicas always (none can know
-        whether another holds steps no round has carried; one without weighs nothing), in
-        lockstep when this replica holds such steps (every replica alike), never once
-        another replica has finished."""
+        """Whether ``finish()`` runs a last round: once replicas were paced apart always (none
+        can know whether another holds steps no round has carried; one without weighs
+        nothing), in lockstep (or speed pacing that never left it) when this replica holds such
+        steps (every replica alike), never once another replica has finished."""
         if self.peer_finished:
             return False
-        return unsynced or not self.lockstep
+        return unsynced or self.paced_apart
 
     def landed(self, report: ReplicaReport | None) -> None:
         """A round landed with ``report`` (None: a replayed round: the saved one): the stop
@@ -268,12 +319,15 @@ class Pacing:
             self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
         if self.options.pacing == SPEED:
             self.plan = self.speed_plan(report)
+        if len(set(self.plan)) > 1 and not self.paced_apart:
+            self.paced_apart = True
+            self._warn_paced_apart(report)
 
     def speed_plan(self, report: ReplicaReport) -> list[int]:
-        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``
-        (at least the delay a round lands after; ``sync_every`` for a replica that would take
-        more than ``sync_every - 1``); the plan as it was while any replica's speed is
-        unmeasured."""
+        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``:
+        ``sync_every`` for a replica within :data:`SPEED_BAND` or one step of the fastest,
+        otherwise at least the delay a round lands after; the plan as it was while any
+        replica's speed is unmeasured."""
         seconds = report.step_seconds
         if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
             return self.plan
@@ -282,11 +336,60 @@ class Pacing:
         fastest = min(seconds)
         plan = []
         for s in seconds:
-            steps = every * fastest / s  # what this replica does in the fastest's round
-            # Within one step of the fastest: a full round (the others wait less than a step; a
-            # measurement's noise does not take a step off a replica as fast as the others).
-            plan.append(every if steps > every - 1 else max(least, math.floor(steps + 0.5)))
+            speed = fastest / s  # this replica's speed, the fastest's 1
+            steps = every * speed  # what it does in the fastest's round
+            # Within the band, or within one step of the fastest: a full round (measurement noise
+            # and a replica barely slower do not take steps off it; the others wait less than that).
+            plan.append(every if speed >= 1.0 - SPEED_BAND or steps > every - 1 else max(least, math.floor(steps + 0.5)))
         return plan
+
+    def _warn_paced_apart(self, report: ReplicaReport) -> None:
+        """Once, on rank 0: the plans differ, and what that means for the loop's own collectives."""
+        if not self.announce:
+            return
+        paces = ", ".join(f"{1000 * s:.1f}" for s in report.step_seconds)
+        message = (
+            f"acco: speed pacing gives the replicas different inner steps per outer round from now on: plan "
+            f"{self.plan} (sync_every={self.options.sync_every}; measured ms per inner step: {paces}). The replicas "
+            "no longer reach the same step counts at the same time: a collective of the loop's own at step counts "
+            "(an all-reduce of the loss, an evaluation's broadcast, a time budget agreed at every step) would wait "
+            "for a replica that is waiting for the round. Run such collectives at outer rounds (when "
+            "opt.outer_rounds changes; stop on opt.should_stop with opt.stop_after()), or pass pacing='lockstep'."
+        )
+        _log.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+    def stall_bound(self, timeout: float) -> float | None:
+        """How long ``step()`` may wait for the other replicas' hand-overs of a round before
+        :meth:`check_stall` raises: :data:`STALL_ROUNDS` times the longest planned round at the
+        last report's paces, at least :data:`STALL_SHARE` of ``timeout``, at most ``timeout``;
+        None (no bound but the timeout) while the replicas' plans are equal, where every
+        replica reaches every step count with the others."""
+        if len(set(self.plan)) < 2:
+            return None
+        seconds = self.last_report.step_seconds if self.last_report is not None else ()
+        longest = max((steps * s for steps, s in zip(self.plan, seconds)), default=0.0)
+        return min(timeout, max(STALL_ROUNDS * longest, STALL_SHARE * timeout))
+
+    def check_stall(self, waited: float, bound: float | None, index: int) -> None:
+        """Raise once ``step()`` has waited ``waited`` seconds for the other replicas'
+        hand-overs of round ``index``, past ``bound`` (:meth:`stall_bound`).
+
+        Raises:
+            PacingStall: naming the likely cause and the fix.
+        """
+        if bound is None or waited <= bound:
+            return
+        raise PacingStall(
+            f"outer round {index}: replica {self.replica} waited {waited:.1f}s for the other replicas to hand over "
+            f"(bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
+            f"timeout); speed pacing gives the replicas different inner steps per round (plan {self.plan}). Most "
+            "likely the loop runs a collective of its own at step counts (an all-reduce of the loss, an evaluation's "
+            "broadcast, a time budget agreed at every step): a replica that takes more steps per round is waiting in "
+            "it for this one, which waits for that replica's round. Run such collectives at outer rounds (when "
+            "opt.outer_rounds changes; stop on opt.should_stop with opt.stop_after()), or pass pacing='lockstep' "
+            "(docs/loops.md, \"Replicas of different speeds\"). The other replicas fail when this process exits."
+        )
 
     def stop_after(self, steps: int | None, seconds: float | None) -> None:
         """A budget this replica enforces (:meth:`check_budget` at every inner step).
@@ -329,6 +432,7 @@ class Pacing:
             "stop_requested": self.stop_requested,
             "should_stop": self.should_stop,
             "stop_steps": self.stop_steps,
+            "paced_apart": self.paced_apart,
         }
 
     def load_state_dict(self, saved: dict[str, Any], round_steps: int, flight_report: ReplicaReport | None) -> None:
@@ -340,5 +444,10 @@ class Pacing:
         self.round_weight = float(saved.get("hand_over_weight", 0.0))
         self.stop_requested, self.should_stop = bool(saved.get("stop_requested")), bool(saved.get("should_stop"))
         self.stop_steps = saved.get("stop_steps")
+        # Saved before this was kept: a state whose plan differs was paced apart, one from an
+        # equal plan is taken as never (finish() then decides as in lockstep).
+        self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
         self.flight_report = flight_report
         self.timing, self.timed_steps, self.waited, self.round_wall, self.pace = False, 0, 0.0, 0.0, 0.0
+        self.step_times.clear()
+        self.last_step_end, self.waited_in_step = None, 0.0

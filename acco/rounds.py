@@ -11,6 +11,7 @@ stay in the accumulator for the commit round after it.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,10 @@ from acco.module_buffers import BufferSnapshot
 from acco.options import RoundKind
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["CommLaneError", "LaneRound", "Round", "RoundSchedule"]
+__all__ = ["CommLaneError", "LaneRound", "Round", "RoundSchedule", "WATCH_SECONDS"]
+
+# How often a watched wait (RoundSchedule.wait's ``watch``) looks at the round in flight.
+WATCH_SECONDS = 0.25
 
 
 class CommLaneError(RuntimeError):
@@ -141,15 +145,17 @@ class RoundSchedule:
         round_, self.in_flight = self.in_flight, None
         return round_
 
-    def wait(self, round_: LaneRound) -> RoundStats:
+    def wait(self, round_: LaneRound, watch: Callable[[LaneRound], None] | None = None) -> RoundStats:
         """The round's stats once the comm lane has finished it (at once if already waited
-        for). A failure or a timeout is kept in ``failure`` and re-raised."""
+        for); ``watch(round_)``, if given, is called every :data:`WATCH_SECONDS` meanwhile and
+        may raise to end the wait. A failure, a timeout or ``watch``'s error is kept in
+        ``failure`` and re-raised."""
         if round_.waited:
             return round_.stats
         started = self._recorder.stamp()
         try:
             with record_function("acco.wait"):
-                stats = round_.future.result(timeout=self._wait_seconds)
+                stats = self._result(round_, watch)
         except FutureTimeoutError:
             self.failed = round_  # its device work may still read its tensors
             self.failure = TimeoutError(
@@ -164,6 +170,19 @@ class RoundSchedule:
         round_.waited = True
         self._recorder.landed(stats, started)
         return stats
+
+    def _result(self, round_: LaneRound, watch: Callable[[LaneRound], None] | None) -> RoundStats:
+        if watch is None:
+            return round_.future.result(timeout=self._wait_seconds)
+        deadline = time.monotonic() + self._wait_seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return round_.future.result(timeout=max(0.0, min(WATCH_SECONDS, left)))
+            except FutureTimeoutError:
+                if left <= WATCH_SECONDS:
+                    raise
+            watch(round_)
 
     def following(self, kind: RoundKind) -> RoundKind:
         """The kind of round after one of ``kind``."""

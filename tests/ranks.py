@@ -241,18 +241,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(script: str, *args: str, world_size: int = 2, cwd: str | None = None,
-               timeout: float = 120.0) -> list[subprocess.CompletedProcess]:
+               timeout: float = 120.0, netns: str | None = None) -> list[subprocess.CompletedProcess]:
     """``python script *args`` on ``world_size`` ranks, each with torchrun's environment
     variables (``MASTER_PORT`` a free port), run to its end: atexit and the interpreter's
     finalisation happen as in a real job. Per rank, in rank order; a rank still running after
-    ``timeout`` seconds is killed (``subprocess.TimeoutExpired``)."""
+    ``timeout`` seconds is killed (``subprocess.TimeoutExpired``). ``netns``: every rank runs in
+    that network namespace (``benchmarks/netns.py``'s, e.g. behind a rate-limited loopback)."""
     port = str(free_port())
+    prefix = [] if netns is None else ["ip", "netns", "exec", netns]
     processes = []
     for rank in range(world_size):
         environment = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                            OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        processes.append(subprocess.Popen([sys.executable, script, *args], env=environment, cwd=cwd,
+        if netns is not None:  # the host name does not resolve to an address inside the namespace
+            environment["GLOO_SOCKET_IFNAME"] = "lo"
+        processes.append(subprocess.Popen([*prefix, sys.executable, script, *args], env=environment, cwd=cwd,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     finished = []
     try:

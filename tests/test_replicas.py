@@ -103,7 +103,7 @@ def test_equal_schedule_is_lockstep_bit_for_bit(ranks, bits) -> None:
 
 def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
     """pacing="speed" (the default): rank 1 sleeps SLOW_STEP_S a step, rank 0 none. After the first
-    round (a quarter round each, at least 2 steps: nothing measured yet) every round's plan gives the fast replica
+    round (sync_every each: nothing measured yet) every round's plan gives the fast replica
     sync_every and the slow one at most a third of it; every rank derives the same plans from
     the same reports, the replicas stop at the same round and end identical."""
     options = {"sync_every": 6, "sync_delay": 0, "pacing": "speed"}
@@ -112,10 +112,10 @@ def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
     assert results[0]["reports"] == results[1]["reports"] and results[0]["plan"] == results[1]["plan"]
     assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
     steps = [report["steps"] for report in results[0]["reports"]]
-    assert steps[0] == [2, 2]
+    assert steps[0] == [6, 6]
     assert all(fast == 6 and 1 <= slow <= 2 for fast, slow in steps[1:-1]), steps
-    assert 32 <= results[0]["steps"] <= 36 and results[1]["steps"] < 18  # the fast one never waited for 6 slow steps
-    # Measured from launch to launch: the sleep counts, the fast replica's wait for the slow one does not.
+    assert 32 <= results[0]["steps"] <= 36 and results[1]["steps"] < 18  # the fast one waited for 6 slow steps once
+    # The median step time: the sleep counts, the fast replica's wait for the slow one does not.
     seconds = [report["step_seconds"] for report in results[0]["reports"][:-1]]
     assert all(slow > SLOW_STEP_S > fast for fast, slow in seconds), seconds
 
@@ -251,7 +251,7 @@ def test_stop_is_local_mode_only_and_checked() -> None:
         local.stop_after(steps=0)
     with pytest.raises(ValueError, match="Invalid seconds"):
         local.stop_after(seconds=-1)
-    assert local.replica_steps == [2] and local.options.local.pacing == "speed"  # a quarter round first (>= 2)
+    assert local.replica_steps == [4] and local.options.local.pacing == "speed"  # sync_every first (lockstep)
     with pytest.raises(ValueError, match="the fastest replica takes sync_every=4"):
         AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", sync_every=4, pacing=[3], lr=1e-3)
     with pytest.raises(ValueError, match="Invalid pacing"):
