@@ -7,8 +7,9 @@ from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.optim import AccoOptimizer
 from acco.options import Mode, NonFinite, RoundKind, default_outer
+from acco.replicas import PacingStall
 from acco.rounds import CommLaneError
 from acco.telemetry import RoundStats
 
-__all__ = ["AccoOptimizer", "BufferPolicy", "CommLaneError", "Layout", "Mode", "NonFinite", "RoundKind", "RoundStats", "default_outer"]
+__all__ = ["AccoOptimizer", "BufferPolicy", "CommLaneError", "Layout", "Mode", "NonFinite", "PacingStall", "RoundKind", "RoundStats", "default_outer"]
 __version__ = "0.1.0"

@@ -191,10 +191,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             default; 8, 16, 32), and below 16 whether what it drops goes with the next (default True).
         pacing: ``local`` only: how many inner steps each replica takes per outer round:
             ``"speed"`` (default: in proportion to its measured speed, the fastest
-            ``sync_every``, so no replica waits for another), ``"lockstep"`` (``sync_every``
-            each: every replica waits for the slowest), or a list of ints, one per replica
-            (reproducible). Replicas that take different numbers stop together on
-            ``should_stop`` (``stop_after()``, ``request_stop()``).
+            ``sync_every``, so no replica waits for another; replicas within 20% of the fastest
+            stay in lockstep, and rank 0 warns when plans first differ), ``"lockstep"``
+            (``sync_every`` each: every replica waits for the slowest), or a list of ints, one
+            per replica (reproducible). Replicas that take different numbers stop together on
+            ``should_stop`` (``stop_after()``, ``request_stop()``); a loop with collectives of its
+            own at step counts gets :class:`acco.PacingStall` (docs/loops.md, "Loops
+            with collectives of their own").
         outer_weighting: ``local`` only: each replica's pseudo-gradient's weight in the outer
             round's mean: ``"tokens"`` (default: the ``accumulate()`` weights it trained on since
             its last hand-over), ``"equal"`` (once each) or ``"normalized"`` (FedNova: each over

@@ -12,7 +12,10 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
   once (``"equal"``), or by FedNova's normalisation (``"normalized"``).
 - **Pacing** (``pacing``): each replica's inner steps per round: ``sync_every`` each
   (``"lockstep"``), a fixed list, or in proportion to its measured speed (``"speed"``),
-  the fastest ``sync_every``, from the speeds every replica reported in the last round.
+  the fastest ``sync_every``, from the speeds every replica reported in the last round, once
+  a replica is slower than the fastest by more than :data:`SPEED_BAND`; when plans first
+  differ rank 0 warns, and a wait for the others' hand-overs far past their pace raises
+  :class:`PacingStall` (a loop's own collective at step counts, the likely cause).
 - **Stopping together**: a replica's stop request travels in its next hand-over; once that
   round has landed every replica's ``should_stop`` is True, at the same round. A replica that
   calls ``finish()`` while the others train ends the run the same way.
@@ -184,7 +187,7 @@ class Pacing:
     waited: float = 0.0
     round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
     pace: float = 0.0  # seconds per step over the last round (0: not measured)
-    # The pace reported: the last PACE_WINDOW(sync_every) step-to-step times, across rounds, each
+    # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
     # less the time step() waited for a round in it.
     step_times: collections.deque[float] = field(default_factory=collections.deque)
     last_step_end: float | None = None

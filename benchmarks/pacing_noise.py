@@ -2,8 +2,9 @@
 replicas are equally fast, and how long a replica waits for the others' hand-overs of a round,
 behind a rate-limited link, at 32 and 4 bits, with the loop shapes users write.
 
-    sudo $(which python) benchmarks/pacing_noise.py                  # 11 runs of 20 s: ~7 min
+    sudo $(which python) benchmarks/pacing_noise.py                  # 11 runs of 45 s: ~10 min (docs/loops.md)
     sudo $(which python) benchmarks/pacing_noise.py --quick          # 3 runs of 8 s
+    python benchmarks/pacing_noise.py --table      # the table of docs/loops.md, from results/pacing_noise.json
 
 Each run is two ranks of mode="local" with the library's defaults (sync_every=30, blocking
 rounds, speed pacing) on the GPT of examples/train_gpt.py (0.8M parameters: a 32-bit round moves
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -61,7 +63,7 @@ EVAL_EVERY, EVAL_SECONDS = 25, 1.0
 def arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--runs", nargs="+", default=None, choices=[r[0] for r in RUNS], help="default: all")
-    add("--budget", type=float, default=20.0, help="seconds of training per run")
+    add("--budget", type=float, default=45.0, help="seconds of training per run")
     add("--micro-batches", type=int, default=4, help="micro-batches per inner step")
     add("--case", default=None, help=argparse.SUPPRESS)  # the run a rank launch does
     common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
@@ -183,4 +185,7 @@ BENCHMARK = common.Benchmark(name="pacing_noise", doc=__doc__, arguments=argumen
                              quick={"budget": 8.0})
 
 if __name__ == "__main__":
-    common.main(BENCHMARK, None)
+    if sys.argv[1:] == ["--table"]:
+        print(table(common.read_json(common.RESULTS_DIR / "pacing_noise.json")))
+    else:
+        common.main(BENCHMARK, None)
