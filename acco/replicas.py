@@ -391,7 +391,7 @@ class Pacing:
             "broadcast, a time budget agreed at every step): a replica that takes more steps per round is waiting in "
             "it for this one, which waits for that replica's round. Run such collectives at outer rounds (when "
             "opt.outer_rounds changes; stop on opt.should_stop with opt.stop_after()), or pass pacing='lockstep' "
-            "(docs/loops.md, \"Replicas of different speeds\"). The other replicas fail when this process exits."
+            "(docs/loops.md, \"Loops with collectives of their own\"). The other replicas fail when this process exits."
         )
 
     def stop_after(self, steps: int | None, seconds: float | None) -> None:

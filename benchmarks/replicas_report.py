@@ -33,6 +33,14 @@ and the other rules and runs of the last table::
 
 ``replicas-slow1-500mbit-rounding.json`` is the --slow 1, 500 Mbit/s run made before the speed plan's
 one-step dead band (plain rounding), kept for the comparison in docs/loops.md.
+
+The default after pacing's rule changed (issue 48: the median pace, a 20% dead band, the first
+round in lockstep), ``replicas-slow{3,1}-{50,500}mbit-pacing.json``, the last table::
+
+    for rate in 50mbit 500mbit; do for slow in 3 1; do
+        sudo $(which python) benchmarks/time_to_loss.py --slow $slow --links comm~compute --rates $rate \
+            --methods local-h16 $S --out benchmarks/results/replicas-slow$slow-$rate-pacing.json
+    done; done
 """
 
 from __future__ import annotations
@@ -163,6 +171,24 @@ def extra_table() -> str:
     return common.md_table(["run", "method", "held-out loss", "inner steps, fast / slow replica"], rows)
 
 
+def pacing_table() -> str:
+    """The default (``local-h16``) after pacing's rule changed: the fast replica's steps beside one
+    3x slower against beside an equal one, per link (medians of 3 seeds)."""
+    rows = []
+    for rate in RATES:
+        paths = [common.RESULTS_DIR / f"replicas-slow{slow}-{rate}-pacing.json" for slow in (3, 1)]
+        if not all(path.exists() for path in paths):
+            continue
+        slow, equal = (per_method(json.loads(path.read_text()))["local-h16"] for path in paths)
+        fast, alone = (statistics.median(fast_steps(r) for r in runs) for runs in (slow, equal))
+        rows.append([rate, spread([r["final_loss"] for r in slow]), spread([r["final_loss"] for r in equal]),
+                     f"{fast:.0f}", f"{alone:.0f}", f"{fast / alone:.2f}",
+                     f"{statistics.median(r['steps_per_round_by_rank'][1] for r in slow):.1f}"])
+    return common.md_table(["link", "held-out loss, --slow 3", "held-out loss, --slow 1", "fast replica's steps, --slow 3",
+                            "rank 0's steps, --slow 1", "fast replica's rate (x --slow 1)",
+                            "slow replica's steps per round"], rows)
+
+
 def draw(path: Path) -> str:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, len(RATES), figsize=(13, 5), sharey=True)
@@ -196,6 +222,8 @@ def main() -> None:
     print(telemetry_table())
     print("\nother rules and runs (medians of 3 seeds or repeats, min-max):\n")
     print(extra_table())
+    print("\nthe default after pacing's rule changed (the median pace, a 20% dead band, the first round in lockstep):\n")
+    print(pacing_table())
     if not args.no_figure:
         print(f"\nwrote {args.out.parent / draw(args.out)}")
 
