@@ -179,16 +179,17 @@ class Pacing:
     flight_report: ReplicaReport | None = None
     stop_steps: int | None = None
     stop_seconds: float | None = None
-    # This replica's pace (wall clock, not saved): timed from the end of its first step (what
-    # came before is not its pace) or from its last launch, the waits for a round left out.
+    # This replica's pace (wall clock, not saved), for stop_after()'s budget: its mean step time
+    # from the end of its first step (what came before is not its pace) or from its last launch,
+    # the waits for a round left out.
     busy_since: float = field(default_factory=time.perf_counter)
-    timing: bool = False
     timed_steps: int = 0
     waited: float = 0.0
     round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
     pace: float = 0.0  # seconds per step over the last round (0: not measured)
     # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
-    # less the time step() waited for a round in it.
+    # less the time step() waited for a round in it; timed from the end of the first step (None
+    # before it).
     step_times: collections.deque[float] = field(default_factory=collections.deque)
     last_step_end: float | None = None
     waited_in_step: float = 0.0
@@ -263,13 +264,12 @@ class Pacing:
         self.round_steps += 1
         self.round_weight += weight
         now = time.perf_counter()
-        if self.last_step_end is not None:
-            self.step_times.append(now - self.last_step_end - self.waited_in_step)
-        self.last_step_end, self.waited_in_step = now, 0.0
-        if not self.timing:
-            self.busy_since, self.waited, self.timing = time.perf_counter(), 0.0, True
+        if self.last_step_end is None:  # the first step: both measures start at its end
+            self.busy_since, self.waited = now, 0.0
         else:
+            self.step_times.append(now - self.last_step_end - self.waited_in_step)
             self.timed_steps += 1
+        self.last_step_end, self.waited_in_step = now, 0.0
 
     def waited_for_round(self, seconds: float) -> None:
         """``step()`` waited this long for a round: not this replica's pace."""
@@ -451,6 +451,6 @@ class Pacing:
         # equal plan is taken as never (finish() then decides as in lockstep).
         self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
         self.flight_report = flight_report
-        self.timing, self.timed_steps, self.waited, self.round_wall, self.pace = False, 0, 0.0, 0.0, 0.0
+        self.timed_steps, self.waited, self.round_wall, self.pace = 0, 0.0, 0.0, 0.0
         self.step_times.clear()
         self.last_step_end, self.waited_in_step = None, 0.0

@@ -71,7 +71,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     """One run on every rank: train for the budget, record every step's time and every round."""
-    name, _, bits, loop, slow = next(r for r in RUNS if r[0] == args.case)
+    name, rate, bits, loop, slow = next(r for r in RUNS if r[0] == args.case)
     config = common.model_config(args, seed=1337)
     method = common.build_method(f"local-h30-b{bits}", config, args.micro_batches)
     opt = method.local_opt
@@ -120,7 +120,7 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
                        "mean": [None if p is None else p[0] for p in paces],
                        "median": [None if p is None else p[1] for p in paces],
                        "totals_s": stats.phase_seconds.get("totals", 0.0), "lane_s": stats.lane_seconds})
-    return {"run": name, "rate": RUNS[[r[0] for r in RUNS].index(name)][1], "bits": bits, "loop": loop,
+    return {"run": name, "rate": rate, "bits": bits, "loop": loop,
             "slowdown": slow, "elapsed_s": elapsed, "inner_steps": len(steps), "rounds": rounds,
             "config": config.as_dict()}
 
