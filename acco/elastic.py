@@ -20,11 +20,29 @@ before torchft's own commit vote (which counts only a replica group's own ranks)
 round changes nothing on any replica but its residual (reset: what quantising the dropped
 round would have carried, less than one quantisation step per value), and each replica keeps
 its own inner steps, which the next round carries.
+
+Every group knows which round its global values come from: the *lineage*, (torchft's step,
+the quorum's id) of the last round it landed, which no other round shares. The lighthouse may
+form a quorum without a group that is alive but late (a paused process, a loaded machine): the
+others land a round it was not in, and its global values are then other than theirs although
+its step count may equal theirs (torchft heals by step count only). So every round's first
+exchange carries each participant's lineage, and where they differ the participants of the
+newest lineage send their global values to the others (a *heal by content*): those take them,
+rebuild their part of the outer state from them and hand over nothing in this round (their
+inner steps since their last landed round are lost; their step count goes on). No live group
+trains on other global values than the rest once it is in a round with them.
+
+The job ends together: ``finish()`` runs rounds (handing over nothing) until one lands in which
+every participant is finishing and every group the job had is there (the most participants
+any round had), or a participant waited ``finish_timeout`` for a group that does not come back
+(a group that rejoins a finishing job heals from it and finishes in the same round). A
+restarted group that finds no peer at all (the job has ended) raises :class:`NoPeerToHeal`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import socket
@@ -45,10 +63,17 @@ from acco.runner import LaneWork
 from acco.sharding import ShardedGroup, ShardPlan, plan_layout, Layout
 from acco.telemetry import RoundStats
 
-__all__ = ["ElasticRunner", "Quorum", "TorchFT"]
+__all__ = ["ElasticRunner", "NoPeerToHeal", "Quorum", "TorchFT"]
 
 DEFAULT_QUORUM_TIMEOUT = datetime.timedelta(seconds=120)
 _log = logging.getLogger("acco")
+
+
+class NoPeerToHeal(RuntimeError):
+    """A restarted replica group found no peer to heal from: every other group has finished or
+    is gone. Its launcher decides: if another group finished, the job's result is that group's
+    and this one ends cleanly (examples/elastic_local.py exits it with code 3, which its launcher
+    counts as done); otherwise the job is lost."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,8 @@ class Quorum:
         replica / replicas: this replica group's rank among the participants, and their number.
         healed: this replica took a peer's state at this round (it was behind: restarted).
         step: torchft's count of committed rounds (the same on every participant).
+        quorum_id: the lighthouse's id of this quorum (a new one whenever the participants
+            change): with ``step``, the round's identity (its lineage once it lands).
     """
 
     collectives: ReconfigurableCollectives
@@ -67,6 +94,7 @@ class Quorum:
     replicas: int
     healed: bool
     step: int
+    quorum_id: int = 0
 
 
 class TorchFT:
@@ -86,6 +114,9 @@ class TorchFT:
         must_heal: this replica group was restarted: its first round must find a peer ahead of
             it to heal from (``RuntimeError`` otherwise, rather than training alone from scratch).
         collective_timeout: the most one collective of a round waits (a hung peer).
+        finish_timeout: the most ``finish()`` waits for a group of the job that is not there
+            (restarting, or gone for good) before the groups present end without it (default:
+            the quorum timeout).
 
     Example::
 
@@ -94,7 +125,8 @@ class TorchFT:
     """
 
     def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1, must_heal: bool = False,
-                 collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:  # fmt: skip
+                 collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+                 finish_timeout: datetime.timedelta | None = None) -> None:  # fmt: skip
         if isinstance(start_with, bool) or not isinstance(start_with, int) or start_with < 1:
             raise ValueError(f"Invalid start_with: {start_with!r} (an int >= 1: replica groups the first round waits for)")
         if getattr(manager, "_use_async_quorum", False):
@@ -104,6 +136,7 @@ class TorchFT:
         self.start_with, self.must_heal = start_with, must_heal
         self.collective_timeout = collective_timeout
         self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
+        self._finish_timeout = finish_timeout
         self._healed = threading.Event()
         self._first = True
         self._waiting_since: float | None = None
@@ -122,6 +155,7 @@ class TorchFT:
         quorum_timeout: datetime.timedelta = DEFAULT_QUORUM_TIMEOUT,
         hostname: str | None = None,
         heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100),
+        finish_timeout: datetime.timedelta | None = None,
     ) -> TorchFT:
         """A replica group of one process: its own store, torchft's gloo process group and a
         Manager reaching the lighthouse at ``lighthouse`` (default: ``$TORCHFT_LIGHTHOUSE``).
@@ -136,6 +170,7 @@ class TorchFT:
                 replica's inner steps of a round (a peer is waited for at every round) plus the
                 lighthouse's heartbeat timeout. A quorum that times out ends the Manager.
             hostname: this machine's address as the other groups reach it (default: its name).
+            finish_timeout: see the class (default: ``quorum_timeout``).
         """
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
@@ -149,10 +184,17 @@ class TorchFT:
             lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
         )  # fmt: skip
-        membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout)
+        membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout,
+                         finish_timeout=finish_timeout)  # fmt: skip
         membership.quorum_timeout = quorum_timeout
         membership._owned = [manager, store]
         return membership
+
+    @property
+    def finish_timeout(self) -> float:
+        """Seconds ``finish()`` waits for a missing group of the job."""
+        timeout = self._finish_timeout if self._finish_timeout is not None else self.quorum_timeout
+        return timeout.total_seconds()
 
     def bind(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """What a restarted replica group takes from a peer (:meth:`start_round` heals it)."""
@@ -178,10 +220,11 @@ class TorchFT:
             raise RuntimeError("torchft formed a quorum without this replica group as a participant")
         if (self._first and self.must_heal and not self._healed.is_set() and self.manager.current_step() == 0
                 and self.manager.errored() is None):  # (a heal that failed is retried at the next round)
-            raise RuntimeError("a restarted replica group found no peer to heal from (every other group has finished "
+            raise NoPeerToHeal("a restarted replica group found no peer to heal from (every other group has finished "
                                "or is gone): it would train alone from the initial values")  # fmt: skip
         comm = ReconfigurableCollectives(self.process_group, replica, replicas, self.collective_timeout)
-        return Quorum(comm, replica, replicas, self._healed.is_set(), self.manager.current_step())
+        quorum_id = int(getattr(self.manager, "_quorum_id", 0) or 0)
+        return Quorum(comm, replica, replicas, self._healed.is_set(), self.manager.current_step(), quorum_id)
 
     def agree(self, quorum: Quorum, succeeded: bool, device: torch.device | None = None) -> bool:
         """Whether the round lands: every participant's legs succeeded (one all-reduce of the
@@ -282,8 +325,13 @@ class ElasticRunner(LaneWork):
                            if error_feedback else None)  # fmt: skip
         self._epoch: _Epoch | None = None
         self._round: Any = None  # the round being run (a heal rewrites its hand-over)
-        self._load_heal_state = load_heal_state
-        membership.bind(heal_state, self._heal)
+        self._heal_state, self._load_heal_state = heal_state, load_heal_state
+        membership.bind(self._state_for_peer, self._heal)
+        # Where the global values come from: (torchft's step, quorum id) of the last round landed.
+        self.lineage: tuple[int, int] = (0, 0)
+        self.most_participants = 0  # the most groups a landed round had: the job's groups, for finish()
+        self.ends_job = False  # the last landed round ended the job on every participant
+        self._finishing_since: float | None = None
         self._failures: list[Exception] = []  # this replica's own failed rounds in a row
         self.replica, self.replicas = 0, 1
         self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
@@ -312,7 +360,16 @@ class ElasticRunner(LaneWork):
         try:
             epoch = self._epoch_for(quorum)
             with record.phase(stats, "totals"):
-                nonfinite, report = self._exchange(quorum, round_)
+                nonfinite, report, peers = self._exchange(quorum, round_)
+            followers = [r for r, peer in enumerate(peers) if peer.lineage != max(p.lineage for p in peers)]
+            if followers:  # some participant was left out of a round the others landed
+                with record.phase(stats, "heal"):
+                    self._heal_by_content(quorum, peers, followers, round_)
+                stats.content_heal = quorum.replica in followers
+                if stats.content_heal:
+                    epoch = self._epoch_for(quorum, rebuild=True)
+                report = dataclasses.replace(report, steps=tuple(0 if r in followers else n for r, n in enumerate(report.steps)),
+                                             weights=tuple(0.0 if r in followers else w for r, w in enumerate(report.weights)))  # fmt: skip
             round_.report = stats.replicas = report
             stats.global_weight = sum(report.weights)
             factors = report.factors(self._options.local.outer_weighting)
@@ -360,6 +417,12 @@ class ElasticRunner(LaneWork):
             for group, plan, new in zip(self._groups, self._epoch.plans, values):
                 group.gathered.zero_()
                 self._relay(new, plan, group.gathered, group.plan)
+            self.lineage = (quorum.step, quorum.quorum_id)
+            self.most_participants = max(self.most_participants, quorum.replicas)
+            # The job ends on a round every participant finishes in, with every group the job had
+            # (or after a participant's finish_timeout): the same decision on every participant.
+            self.ends_job = all(round_.report.finishing) and (
+                quorum.replicas >= max(peer.expected for peer in peers) or any(peer.gives_up for peer in peers))
         else:
             stats.dropped = True
             self._epoch = None  # a master may have stepped: the next round rebuilds from the global values
@@ -374,13 +437,18 @@ class ElasticRunner(LaneWork):
 
     # ------------------------------------------------------------------------- the parts
 
-    def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport]:
-        """Every participant's hand-over and non-finite flag, in one all-reduce."""
-        own, fields, device = round_.hand_over, 5, self._groups[0].device
+    def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:
+        """Every participant's hand-over and non-finite flag, and what only elastic rounds need
+        of each (:class:`_Peer`), in one all-reduce."""
+        own, fields, device = round_.hand_over, 9, self._groups[0].device
+        if own.finishing and self._finishing_since is None:
+            self._finishing_since = time.monotonic()
+        gives_up = own.finishing and time.monotonic() - self._finishing_since > self._membership.finish_timeout
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
-            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
+            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
+             gives_up], dtype=torch.float64)  # fmt: skip
         flags[0] = self._nonfinite_flag(round_.params)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
@@ -392,17 +460,44 @@ class ElasticRunner(LaneWork):
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
             finishing=tuple(bool(row[4]) for row in rows),
         )  # fmt: skip
-        return int(flags[0].item()), report
+        peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8])) for row in rows]
+        return int(flags[0].item()), report, peers
 
-    def _epoch_for(self, quorum: Quorum) -> _Epoch:
+    def _heal_by_content(self, quorum: Quorum, peers: list[_Peer], followers: list[int], round_: Any) -> None:
+        """The newest lineage's global values to the participants of older ones (sent by the
+        first participant holding it, as an all-reduce in which the others add zeros): those
+        take them as their global values and parameters, and their hand-over becomes them,
+        with no weight (their part of the outer state is rebuilt from them)."""
+        newest = max(peer.lineage for peer in peers)
+        source = next(r for r, peer in enumerate(peers) if peer.lineage == newest)
+        follower = quorum.replica in followers
+        for number, values in enumerate(self._global_values):
+            sent = values.clone() if quorum.replica == source else torch.zeros_like(values)
+            quorum.collectives.all_reduce_sum_(sent)
+            if follower:
+                values.copy_(sent)
+                self._groups[number].load_params(values)
+                round_.params[number].copy_(values)
+        if not follower:
+            return
+        _log.warning("elastic outer round %d: this replica group's global values were not the round's (it missed a "
+                     "round the others landed): it takes theirs; its inner steps since its last round are lost",
+                     round_.stats.index)  # fmt: skip
+        for residual in self._residuals or []:
+            residual.zero_()
+        own = round_.hand_over
+        round_.hand_over = HandOver(0, 0.0, own.step_seconds, own.stop, own.finishing)
+        self.lineage = newest
+
+    def _epoch_for(self, quorum: Quorum, rebuild: bool = False) -> _Epoch:
         """This replica's chunk of the outer state for the round's participants: kept while they
         stay the same; otherwise what it owned of its new chunk kept, the rest rebuilt from the
-        global values with the outer optimizer's state zero (all of it after a heal or a
-        dropped round)."""
-        old = None if quorum.healed else self._epoch
+        global values with the outer optimizer's state zero (all of it after a heal, a heal by
+        content (``rebuild``) or a dropped round)."""
+        old = None if quorum.healed or rebuild else self._epoch
         if old is not None and (old.replica, old.replicas) == (quorum.replica, quorum.replicas):
             return old
-        if self._residuals is not None and quorum.healed:
+        if self._residuals is not None and (quorum.healed or rebuild):
             for residual in self._residuals:
                 residual.zero_()
         plans = [plan_layout(Layout.FLAT, shapes, quorum.replicas) for shapes in self._shapes]
@@ -477,16 +572,38 @@ class ElasticRunner(LaneWork):
         for a, b in zip(source.slots, target.slots):
             out[b.offset : b.offset + b.numel] = flat[a.offset : a.offset + a.numel]
 
+    def _state_for_peer(self) -> dict[str, Any]:
+        """What a restarted group takes from this one: the loop's, and where its global values
+        come from."""
+        return {**self._heal_state(), "lineage": list(self.lineage), "most_participants": self.most_participants}
+
     def _heal(self, state: dict[str, Any]) -> None:
         """A peer's state, taken inside the quorum (this replica was behind): the loop takes it,
         and this round's hand-over becomes the global values themselves, with no weight."""
         self._load_heal_state(state)
+        self.lineage = tuple(state.get("lineage", self.lineage))
+        self.most_participants = max(self.most_participants, int(state.get("most_participants", 0)))
         round_ = self._round
         if round_ is not None:
             for params, values in zip(round_.params, self._global_values):
                 params.copy_(values)
             own = round_.hand_over
             round_.hand_over = HandOver(0, 0.0, 0.0, own.stop, own.finishing)
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """What a round's first exchange says of a participant beyond its hand-over.
+
+    Attributes:
+        lineage: where its global values come from (the last round it landed).
+        expected: the most groups a round it landed had (the job's groups, as it knows them).
+        gives_up: it has waited ``finish_timeout`` in ``finish()`` for a missing group.
+    """
+
+    lineage: tuple[int, int]
+    expected: int
+    gives_up: bool
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,10 @@ class LocalLoop(Loop):
             for group, values in zip(self._groups, self.global_values):
                 group.load_params(values)
             clock.unsynced = False
+        while not self.lane_work.ends_job:  # elastic replicas: until a round ends the job on every group present
+            self.pacing.finishing = True
+            self._run_until_landed(discard=True)
+            committed = True
         return committed
 
     def _launch(self) -> None:
@@ -504,6 +508,7 @@ class OuterRunner(LaneWork):
         self.replicas = self._mesh_comm.world_size // self._replica_size
         # Who holds this rank's residual: its rank and the number of ranks of the whole mesh.
         self.place = [self._mesh_comm.rank, self._mesh_comm.world_size]
+        self.ends_job = True  # finish()'s rounds end the job on every replica (elastic ones may not)
 
     @property
     def replica(self) -> int:

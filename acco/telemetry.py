@@ -71,6 +71,8 @@ class RoundStats:
         participants: an elastic outer round's replica groups (:mod:`acco.elastic`); None otherwise.
         dropped: an elastic outer round some participant failed: it changed nothing (each
             replica keeps its parameters; the next round carries its inner steps).
+        content_heal: an elastic outer round in which this replica group took the others'
+            global values (it had missed a round they landed; :mod:`acco.elastic`).
     """
 
     index: int
@@ -94,6 +96,7 @@ class RoundStats:
     phase: str = "queued"
     participants: int | None = None
     dropped: bool = False
+    content_heal: bool = False
     collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)

@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+NO_PEER_EXIT_CODE = 3  # a restarted group came back to a job with no group left (acco.elastic.NoPeerToHeal)
 RESTART_ENV = "ACCO_ELASTIC_START"  # how many times the launcher started this replica group before
 SPARE_ENV = "ACCO_ELASTIC_SPARE"  # a process that loads torch, then waits to replace a replica group's
 
@@ -93,7 +94,7 @@ def replica_main(args: argparse.Namespace) -> None:
     import torch
 
     from acco import AccoOptimizer
-    from acco.elastic import TorchFT
+    from acco.elastic import NoPeerToHeal, TorchFT
     from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
         sample_batch, split_corpus  # fmt: skip
 
@@ -136,11 +137,20 @@ def replica_main(args: argparse.Namespace) -> None:
         membership.die_in_round = round_ if victim == index else None
     # The first round runs here: a restarted replica group takes the global values, the inner
     # optimizer's state and the step count from a peer.
-    opt = AccoOptimizer(
-        param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local", membership=membership,
-        sync_every=args.sync_every, sync_delay=0, pacing="lockstep", outer_bits=args.outer_bits, lr=args.lr,
-        betas=(0.9, 0.95), max_grad_norm=1.0, timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
-    )  # fmt: skip
+    try:
+        opt = AccoOptimizer(
+            param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local",
+            membership=membership, sync_every=args.sync_every, sync_delay=0, pacing="lockstep",
+            outer_bits=args.outer_bits, lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0,
+            timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
+        )  # fmt: skip
+    except Exception as error:
+        if not _caused_by(error, NoPeerToHeal):
+            raise
+        # Restarted after every other group had ended: if one finished, the job's result is its.
+        print(f"replica {index} | came back to a job with no group left: {error}", flush=True)
+        membership.close()
+        sys.exit(NO_PEER_EXIT_CODE)
     generator = torch.Generator().manual_seed(args.seed + 1000 * index + 1_000_000 * started)
     schedule = WarmupCosine(20, args.steps)
     log = open(directory / f"replica-{index}.jsonl", "a")
@@ -152,7 +162,7 @@ def replica_main(args: argparse.Namespace) -> None:
         for stats in [s for s in opt.round_stats if s.index >= seen]:
             seen = stats.index + 1
             entry = {"round": opt.outer_rounds, "inner_step": opt.num_updates, "participants": stats.participants,
-                     "dropped": stats.dropped, "loss": sum(losses) / len(losses) if losses else None,
+                     "dropped": stats.dropped, "content_heal": stats.content_heal, "loss": sum(losses) / len(losses) if losses else None,
                      "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
                      "bytes": stats.collective_bytes}  # fmt: skip
             log.write(json.dumps(entry) + "\n")
@@ -245,6 +255,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas, join_timeout_ms=100,
                                       quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_ms)  # fmt: skip
     finished: set[int] = set()
+    came_back: set[int] = set()
     shown = 0.0
     try:
         while running:
@@ -256,7 +267,11 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                 if code == 0 and (directory / f"replica-{index}.final").exists():
                     finished.add(index)
                     print(f"replica {index} finished", flush=True)
-                elif starts[index] < args.max_restarts and running:
+                elif code == NO_PEER_EXIT_CODE and finished:
+                    # It came back after the others had ended: the job's result is theirs.
+                    came_back.add(index)
+                    print(f"replica {index} came back to a finished job: the result is the others'", flush=True)
+                elif starts[index] < args.max_restarts:
                     starts[index] += 1
                     print(f"replica {index} died (exit code {code}): restart {starts[index]}", flush=True)
                     running[index] = restart(index, starts[index])
@@ -278,7 +293,15 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             process.kill()
         if lighthouse is not None:
             lighthouse.shutdown()
-    return 0 if len(finished) == args.replicas else 1
+    return 0 if finished and len(finished | came_back) == args.replicas else 1
+
+
+def _caused_by(error: BaseException | None, kind: type) -> bool:
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _last_record(path: Path) -> dict | None:

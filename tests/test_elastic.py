@@ -45,9 +45,12 @@ def lighthouse():
                             heartbeat_timeout_ms=1000)  # fmt: skip
 
 
-def replica_rank(index: int, address: str, steps: int, results, fail_at: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def replica_rank(index: int, address: str, steps: int, results, fail_at: int | None = None,  # type: ignore[no-untyped-def]
+                 miss_at: int | None = None) -> None:
     """One replica group of one process: mode="local" with torchft's membership; ``fail_at``:
-    replica 1's legs of that round (torchft's step) report a failure, as a local error would."""
+    replica 1's legs of that round (torchft's step) report a failure, as a local error would;
+    ``miss_at``: replica 1 drops that round after torchft committed it everywhere (as a group
+    the others landed a round without would be: the same step count, other global values)."""
     from acco.elastic import TorchFT
 
     class FailsOnce(TorchFT):
@@ -56,7 +59,8 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         def agree(self, quorum, succeeded, *args):  # type: ignore[no-untyped-def]
             fails = index == 1 and quorum.step == fail_at and not self.failed
             self.failed = self.failed or fails
-            return super().agree(quorum, succeeded and not fails, *args)
+            committed = super().agree(quorum, succeeded and not fails, *args)
+            return committed and not (index == 1 and quorum.step == miss_at)
 
     torch.set_num_threads(1)
     try:
@@ -70,7 +74,7 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         for t in range(steps):
             inner_step(opt, model, t, index, weighted=False)
         opt.finish()
-        rounds = [(s.participants, s.dropped) for s in opt.round_stats]
+        rounds = [(s.participants, s.dropped, s.content_heal) for s in opt.round_stats]
         # Plain bytes: a tensor sent through a queue lives in this process's shared memory, gone once it exits.
         results.put((index, {k: (v.numpy().tobytes(), tuple(v.shape)) for k, v in params_of(model).items()},
                      rounds, opt.outer_rounds))
@@ -80,13 +84,13 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         raise
 
 
-def run_replicas(steps: int, fail_at: int | None = None) -> list[tuple]:
+def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = None) -> list[tuple]:
     """Both replica groups in processes of their own, an in-process lighthouse: each one's
     (parameters, [(participants, dropped)] per round, outer rounds)."""
     server = lighthouse()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at))
+    processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at, miss_at))
                  for i in range(2)]  # fmt: skip
     try:
         for process in processes:
@@ -109,7 +113,7 @@ def test_rounds_without_failures_are_the_local_recurrence_at_4_bits() -> None:
     recurrence (lockstep, blocking, 4 bits with error feedback, token weights), identical on both."""
     steps = 7
     (params0, rounds0, count0), (params1, _, _) = run_replicas(steps)
-    assert all(p == 2 and not dropped for p, dropped in rounds0), rounds0
+    assert all(p == 2 and not dropped and not healed for p, dropped, healed in rounds0), rounds0
     assert count0 == 1 + steps // H + 1  # the first (joining) round, one per sync_every, finish()'s last
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
@@ -125,8 +129,19 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
     (params0, rounds0, count0), (params1, rounds1, count1) = run_replicas(7, fail_at=2)
     assert rounds0 == rounds1
     # the joining round, the one after inner step 3, the dropped one after step 6, finish()'s over steps 4 to 7
-    assert [dropped for _, dropped in rounds0] == [False, False, True, False], rounds0
+    assert [dropped for _, dropped, _ in rounds0] == [False, False, True, False], rounds0
     assert count0 == count1 == 3
+    for name in params0:
+        assert torch.equal(params0[name], params1[name]), name
+
+
+def test_a_group_that_missed_a_round_takes_the_others_global_values() -> None:
+    """Replica 1 drops round 2 after torchft committed it on both (the same step count, other
+    global values: what a group left out of a round holds): at the next round it takes replica
+    0's global values (a heal by content) instead of training on from its own; both end identical."""
+    (params0, rounds0, _), (params1, rounds1, _) = run_replicas(7, miss_at=2)
+    assert [healed for _, _, healed in rounds1] == [False, False, False, True], rounds1
+    assert not any(healed for _, _, healed in rounds0), rounds0
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
 

@@ -1,0 +1,159 @@
+"""Elastic replica groups under stress: does every run end with identical groups and exit 0?
+
+Runs examples/elastic_local.py ``--runs`` times per scenario and checks each run: the launcher
+exits 0, and every replica group that wrote a final digest wrote the same one (a group that came
+back to a finished job writes none: the job's result is the survivors'). Scenarios:
+
+- ``pause``: 3 groups (``--steps 300 --step-seconds 0.05``), replica 2's process paused with
+  SIGSTOP for 6 s a few rounds in, then SIGCONT;
+- ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole run;
+- ``late-kill``: 2 groups, ``--steps 400`` with no step sleep, replica 1 killed (SIGKILL) three
+  rounds in: the survivor may finish before it has restarted.
+
+    pip install -e '.[ft]'
+    python benchmarks/elastic_stress.py --runs 20                       # every scenario, 20 runs each
+    python benchmarks/elastic_stress.py --scenarios pause --runs 4 --parallel 2
+
+Per run it prints the exit code, the digests, the rounds that landed with every live group and
+those that did not, and how many heals by content (a group whose global values were not the
+round's) the groups took; ``--out`` keeps it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO_ROOT / "examples" / "elastic_local.py"
+
+SCENARIOS = {
+    "pause": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
+    "hogs": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
+    "late-kill": ["--replicas", "2", "--steps", "400"],
+}
+
+
+def records(directory: Path, index: int) -> list[dict[str, Any]]:
+    path = directory / f"replica-{index}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_rounds(directory: Path, index: int, count: int, process: subprocess.Popen, limit: float = 120) -> bool:
+    deadline = time.monotonic() + limit
+    while len([r for r in records(directory, index) if not r.get("final")]) < count:
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def hog(stop: Any) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+def run_once(scenario: str, directory: Path, extra: list[str]) -> dict[str, Any]:
+    """One launch of the example under ``scenario``; what :func:`check` reads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    command = [sys.executable, str(EXAMPLE), *SCENARIOS[scenario], "--log-dir", str(directory), *extra]
+    out = open(directory.with_suffix(".out"), "w")
+    hogs: list[multiprocessing.Process] = []
+    stop = multiprocessing.get_context("fork").Event()
+    if scenario == "hogs":
+        hogs = [multiprocessing.get_context("fork").Process(target=hog, args=(stop,), daemon=True) for _ in range(4)]
+        for process in hogs:
+            process.start()
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    event = None
+    try:
+        if scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
+            pid = int((directory / "replica-2.pid").read_text().split()[0])
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(6.0)
+            os.kill(pid, signal.SIGCONT)
+            event = "paused replica 2 for 6 s"
+        elif scenario == "late-kill" and wait_for_rounds(directory, 1, 4, process):
+            for pid in (directory / "replica-1.pid").read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+            event = "killed replica 1"
+        code = process.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        code = "timeout"
+    finally:
+        stop.set()
+        for hogging in hogs:
+            hogging.join(timeout=5)
+    replicas = int(SCENARIOS[scenario][SCENARIOS[scenario].index("--replicas") + 1])
+    finals = {i: (directory / f"replica-{i}.final").read_text() for i in range(replicas)
+              if (directory / f"replica-{i}.final").exists()}  # fmt: skip
+    rounds = {i: [r for r in records(directory, i) if not r.get("final")] for i in range(replicas)}
+    return {"scenario": scenario, "exit": code, "event": event, "seconds": round(time.monotonic() - started, 1),
+            "finals": finals, "identical": len(set(finals.values())) == 1 and bool(finals),
+            "rounds": {i: len(r) for i, r in rounds.items()},
+            "partial_rounds": {i: sum(1 for r in rs if not r["dropped"] and r["participants"] < replicas)
+                               for i, rs in rounds.items()},
+            "content_heals": {i: sum(1 for r in rs if r.get("content_heal")) for i, rs in rounds.items()}}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each its own lighthouse)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs here")
+    args, extra = parser.parse_known_args()
+    base = args.keep or Path(tempfile.mkdtemp(prefix="elastic-stress-"))
+    results: list[dict[str, Any]] = []
+    for scenario in args.scenarios:
+        parallel = 1 if scenario == "hogs" else args.parallel
+        for first in range(0, args.runs, parallel):
+            batch = range(first, min(args.runs, first + parallel))
+            outcome: dict[int, dict[str, Any]] = {}
+
+            def one(n: int) -> None:
+                directory = base / f"{scenario}-{n}"
+                directory.mkdir(parents=True, exist_ok=True)
+                outcome[n] = run_once(scenario, directory, extra)
+
+            threads = [threading.Thread(target=one, args=(n,)) for n in batch]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            for n in batch:
+                result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
+                results.append(result)
+                ok = result["exit"] == 0 and result["identical"]
+                print(f"{scenario:9s} run {n:2d}: {'ok  ' if ok else 'FAIL'} exit {result['exit']} | "
+                      f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
+                      f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
+                      f"content heals {result['content_heals']} | {result['seconds']} s", flush=True)
+    print()
+    for scenario in args.scenarios:
+        mine = [r for r in results if r["scenario"] == scenario]
+        good = sum(r["exit"] == 0 and r["identical"] for r in mine)
+        print(f"{scenario}: {good} of {len(mine)} runs with identical groups and exit 0")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"benchmark": "elastic_stress", "runs": results}, indent=1) + "\n")
+    print(f"logs: {base}")
+
+
+if __name__ == "__main__":
+    main()
