@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import weakref
 from typing import Any
 
 import torch
@@ -18,7 +19,27 @@ from torch import Tensor
 
 from acco.quantize import dequantize_row, needs_scale, quantize_rows
 
-__all__ = ["Collectives", "ReconfigurableCollectives"]
+__all__ = ["Collectives", "ReconfigurableCollectives", "destroy_drained_groups"]
+
+# The gloo groups drain() left to torch (finish()): destroyed at interpreter exit by
+# destroy_drained_groups() if torch still holds them then (gone already if the user destroyed them).
+_DRAINED: list[weakref.ref] = []
+
+
+def destroy_drained_groups() -> None:
+    """At interpreter exit (acco's exit hook), not collective: destroy the gloo groups that
+    :meth:`Collectives.drain` left to torch and that are still alive, so their worker threads
+    are joined while Python can still run them. A drained group's two worker threads each
+    drop the last collective they ran only after its caller has returned; the drain's barrier
+    completes once those collectives have, not once the threads have dropped them, and a
+    thread that drops a tensor Python made while the interpreter finalises needs the GIL and
+    aborts the process ("terminate called without an active exception"). Destroying a group
+    joins its threads with the GIL released."""
+    while _DRAINED:
+        group = _DRAINED.pop()()
+        if group is not None:
+            with contextlib.suppress(ValueError, RuntimeError):  # destroyed already, or torch's world gone
+                dist.destroy_process_group(group)
 
 class Collectives:
     """The collectives acco issues, on one process group (or none for a single process).
@@ -84,12 +105,15 @@ class Collectives:
         tensors after the caller has returned, and freeing a tensor Python made takes the
         GIL. A thread that waits for the GIL until the interpreter is finalising is ended by
         Python mid-C++ frame, and the process aborts ("terminate called without an active
-        exception") after a clean run. Queueing a barrier waits for that thread (with the
-        GIL released), and a barrier holds no tensor. gloo only: that is where it was seen and
-        tested; another backend's teardown is left as torch does it.
+        exception") after a clean run. Queueing a barrier waits for the collectives before it
+        (with the GIL released), and a barrier holds no tensor; but a worker thread may still
+        be dropping the last of them when it returns, so the group is also destroyed at exit
+        (:func:`destroy_drained_groups`), joining its threads while Python runs. gloo only:
+        that is where it was seen and tested; another backend's teardown is left as torch does it.
         """
         if self.active and self.backend == "gloo":
             dist.barrier(group=self.group)
+            _DRAINED.append(weakref.ref(self.group))
 
     def destroy(self) -> None:
         """At interpreter exit, not collective: destroy a gloo group :meth:`new_lane_group` or

@@ -5,7 +5,7 @@ Who takes part in each outer round under failures is one concern with one owner 
 of the replica groups alive at each round) and holds the agreement that lands a round;
 :class:`ElasticRunner` is the outer round's body on the comm lane over the replicas present,
 which :class:`acco.local.LocalLoop` runs instead of :class:`acco.local.OuterRunner` when
-``membership`` is given. Each replica group is its own job (its own ``torchrun``); nothing
+``membership`` is given (``membership.runner(...)``: this module imports nothing of the loop's). Each replica group is its own job (its own ``torchrun``); nothing
 here is needed unless torchft is installed (``pip install acco[ft]``).
 
 The outer state stays sharded: the participants of a round split the flat parameters into R
@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from acco.collectives import ReconfigurableCollectives
+from acco.legs import QuantizedLegs
 from acco.options import NonFinite, Weighting
 from acco.quantize import BlockCodec
 from acco.replicas import HandOver, ReplicaReport
@@ -195,6 +196,11 @@ class TorchFT:
         """Seconds ``finish()`` waits for a missing group of the job."""
         timeout = self._finish_timeout if self._finish_timeout is not None else self.quorum_timeout
         return timeout.total_seconds()
+
+    def runner(self, *args: Any) -> ElasticRunner:
+        """The outer round's body over this membership (:class:`ElasticRunner`'s arguments
+        after the membership): what :class:`acco.local.LocalLoop` runs on its comm lane."""
+        return ElasticRunner(self, *args)
 
     def bind(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
         """What a restarted replica group takes from a peer (:meth:`start_round` heals it)."""
@@ -344,8 +350,6 @@ class ElasticRunner(LaneWork):
         Raises:
             CommLaneError: no quorum formed (torchft's timeout; the Manager is then unusable).
         """
-        from acco.local import QuantizedLegs  # the legs' code, shared with fixed groups
-
         stats, record = round_.stats, self._recorder
         record.lane_start(stats)
         self._round = round_
@@ -608,7 +612,7 @@ class _Peer:
 
 @dataclass(frozen=True)
 class _Place:
-    """A param group's chunks among a round's participants, as :class:`acco.local.QuantizedLegs` reads them."""
+    """A param group's chunks among a round's participants, as :class:`acco.legs.QuantizedLegs` reads them."""
 
     plan: ShardPlan
     rank: int

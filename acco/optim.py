@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from acco.amp import inverse_scale
-from acco.collectives import Collectives
+from acco.collectives import Collectives, destroy_drained_groups
 from acco.folding import GradFolder, checked_weight
 from acco.local import LocalLoop
 from acco.loops import Loop, LoopParts, UpdateCounts, loop_classes
@@ -132,6 +132,7 @@ _NOT_GIVEN_BACK: set[_Started] = set()
 def _give_back_at_exit() -> None:
     for started in list(_NOT_GIVEN_BACK):
         started.at_exit(started.exit_wait)
+    destroy_drained_groups()
 
 
 class AccoOptimizer(torch.optim.Optimizer):
