@@ -439,6 +439,19 @@ class ElasticRunner(LaneWork):
     def replay(self, round_: Any) -> RoundStats:
         raise AssertionError("elastic outer rounds are blocking: no round is in flight in a checkpoint")
 
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Each param group's outer optimizer on this participant's chunk now (empty before the
+        first round)."""
+        return [] if self._epoch is None else list(self._epoch.outers)
+
+    def buffer_bytes(self, number: int) -> dict[str, int]:
+        """Param group ``number``'s outer state now: its chunk's master values and this
+        group's residual (the outer optimizer's state is the optimizer's)."""
+        master = 0 if self._epoch is None else self._epoch.masters[number].nbytes
+        residual = 0 if self._residuals is None else self._residuals[number].nbytes
+        return {"master": master, "outer_residual": residual}
+
     # ------------------------------------------------------------------------- the parts
 
     def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:

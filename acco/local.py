@@ -119,6 +119,12 @@ class LocalLoop(Loop):
         """The outer optimizer runs on the shards, so its class decides the layout."""
         return options.local.outer_class
 
+    @staticmethod
+    def keeps_master(options: Options) -> bool:
+        """Elastic replicas keep their outer state per round's participants (the membership's
+        runner): the fixed layout's snapshot shard and its gradient would go unused."""
+        return options.local.membership is None
+
     def step(self, inv_scale: Tensor | None) -> bool:
         """This replica's inner update, then the outer round in flight lands (once done, or
         ``sync_delay`` steps after its launch) and the next one starts (every ``sync_every``)."""
@@ -354,6 +360,8 @@ class LocalLoop(Loop):
 
     @property
     def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        if self._parts.options.local.membership is not None:  # the ones on this participant's chunk now
+            return self.lane_work.outer_optimizers
         return list(self.shard_optimizers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -448,6 +456,8 @@ class LocalLoop(Loop):
             entry["handed_over"] = 0 if handed is None else handed[number].nbytes
             entry["global_values"] = self.global_values[number].nbytes
             entry["outer_residual"] = 0 if self.residuals is None else self.residuals[number].nbytes
+            if self._parts.options.local.membership is not None:  # the outer state of the round's participants
+                entry.update(self.lane_work.buffer_bytes(number))
             entry["common_term"] = 0 if self.common_terms is None else self.common_terms[number].nbytes
         return sizes
 

@@ -141,6 +141,12 @@ class Loop:
         layout (None: the group's own base optimizer class)."""
         return None
 
+    @staticmethod
+    def keeps_master(options: Options) -> bool:
+        """Whether each group keeps a master shard (and its gradient) for the update on the
+        shards (False: the update's state lives elsewhere, e.g. an elastic round's)."""
+        return True
+
     # ------------------------------------------------------------- the verbs
 
     def step(self, inv_scale: Tensor | None) -> bool:

@@ -193,6 +193,7 @@ class ShardedGroup:
         *,
         double_buffered: bool = True,
         master_in_params: bool = False,
+        master: bool = True,
         inner: InnerMesh | None = None,
     ) -> None:
         self.params = list(params)
@@ -227,21 +228,25 @@ class ShardedGroup:
             and self.multi_rank
             and self.param_dtype == self.reduce_dtype == self.master_dtype == first.dtype
         )
-        if self.master_in_params:
+        self.keeps_master = master
+        if not master:  # the update on the shards keeps its state elsewhere (an elastic round's)
+            self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
+            placeholder = self._master
+        elif self.master_in_params:
             self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
             placeholder = self.grad_accumulator[:chunk]  # no storage of its own; moved each round
         else:
             self._master = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
             placeholder = self._master
         self._master_grad: Tensor | None = None
-        if not (self.multi_rank and self.reduce_dtype == self.master_dtype):
+        if master and not (self.multi_rank and self.reduce_dtype == self.master_dtype):
             self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
         self._gathered: Tensor | None = None
         if not self.multi_rank or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
             self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
         # Views of master (distinct tensors, also in the flat layout) that the base optimizer
         # is built on; point_master_views() may move them to a workspace for one update.
-        self.master_views = [view.view(view.shape) for view in self.shard_views(placeholder)]
+        self.master_views = [view.view(view.shape) for view in self.shard_views(placeholder)] if master else []
         self._accumulator_views = self._views(self.grad_accumulator)
         # The estimate round's copy of the master shard and optimizer state (acco mode),
         # allocated at the first estimate and reused by every later one.
@@ -495,7 +500,7 @@ class ShardedGroup:
         """Start from ``values`` (broadcast from rank 0): master shard and live parameters,
         which take ``param_dtype`` here (the master keeps full precision)."""
         start, stop = self.plan.rank_range(self.rank)
-        if not self.master_in_params:
+        if self.keeps_master and not self.master_in_params:
             self._master.copy_(values[start:stop])
         with torch.no_grad():
             for index, (param, value) in enumerate(zip(self.locals(), self._views(values))):

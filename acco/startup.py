@@ -32,9 +32,10 @@ def build_groups(
     *,
     double_buffered: bool,
     master_in_params: bool,
+    master: bool = True,
 ) -> list[ShardedGroup]:
     """One :class:`ShardedGroup` per param group, as the mode's loop needs them (its facts
-    ``double_buffered`` and ``master_in_params``, :class:`acco.loops.Loop`); with ``inner``
+    ``double_buffered``, ``master_in_params`` and ``master``, :class:`acco.loops.Loop`); with ``inner``
     (DTensor parameters) each works on the parameters' local tensors."""
     groups = [
         ShardedGroup(
@@ -45,6 +46,7 @@ def build_groups(
             reduce_dtype=options.reduce_dtype,
             double_buffered=double_buffered,
             master_in_params=master_in_params,
+            master=master,
             inner=inner,
         )
         for g in param_groups
