@@ -266,6 +266,7 @@ class LocalLoop(Loop):
             self.pacing.put_back(round_.hand_over)
             clock.launched_at = None
             return False
+        self.pacing.seat(self.lane_work.replica, self.lane_work.replicas)  # elastic replicas: this round's
         self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at

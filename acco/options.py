@@ -291,7 +291,8 @@ class LocalOptions:
 
 
 def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int, outer_class: type) -> None:
-    """Elastic rounds (:mod:`acco.elastic`): blocking, in lockstep, quantised (torchft's gloo
+    """Elastic rounds (:mod:`acco.elastic`): blocking, paced by speed or in lockstep (no fixed
+    schedule: the participants change), quantised (torchft's gloo
     group has all-to-all and all-gather, no reduce-scatter), an element-wise outer optimizer (it
     steps flat chunks among the replicas present)."""
     if not all(callable(getattr(membership, name, None)) for name in ("start_round", "agree", "bind")):
@@ -301,9 +302,9 @@ def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits:
                          "chunks of the parameters: an element-wise optimizer such as SGD or Adam)")  # fmt: skip
     if sync_delay != 0:
         raise ValueError(f"Invalid sync_delay with membership: {sync_delay!r} (elastic outer rounds are blocking: 0)")
-    if pacing != LOCKSTEP:
-        raise ValueError(f"Invalid pacing with membership: {pacing!r} (elastic replicas run in lockstep: pass "
-                         "pacing='lockstep'; a restarted replica takes its peers' step count)")  # fmt: skip
+    if pacing not in (SPEED, LOCKSTEP):
+        raise ValueError(f"Invalid pacing with membership: {pacing!r} ('speed' or 'lockstep': a schedule per replica "
+                         "cannot follow the replica groups present, which change from round to round)")  # fmt: skip
     if outer_bits == 32:
         raise ValueError("Invalid outer_bits with membership: 32 (elastic rounds send quantised differences over "
                          "all-to-all and all-gather: 16, 8 or 4)")  # fmt: skip

@@ -215,6 +215,14 @@ class Pacing:
                 f"{replicas} replicas (one entry per replica, in process-group order)"
             )
 
+    def seat(self, replica: int, replicas: int) -> None:
+        """This replica's number among the participants of the round landing now (elastic
+        replicas: they change from round to round); a plan for another number of them starts
+        again from the first, until this round's report gives one (``"speed"``)."""
+        self.replica, self.replicas = replica, replicas
+        if len(self.plan) != replicas:
+            self.plan = self.first_plan()
+
     @property
     def lockstep(self) -> bool:
         return self.options.lockstep

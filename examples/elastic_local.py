@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--eval-batches", type=int, default=8)
     add("--seed", type=int, default=1337)
     add("--step-seconds", type=float, default=0.0, help="sleep this long per inner step (a slower device)")
+    add("--slow", default=None, metavar="I:F", help="replica group I sleeps F times --step-seconds per inner step")
+    add("--pacing", choices=["speed", "lockstep"], default="speed", help="inner steps per round: by each group's "
+        "measured speed (a slower group takes fewer), or sync_every each")  # fmt: skip
     add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
         "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
@@ -140,7 +143,7 @@ def replica_main(args: argparse.Namespace) -> None:
     try:
         opt = AccoOptimizer(
             param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local",
-            membership=membership, sync_every=args.sync_every, sync_delay=0, pacing="lockstep",
+            membership=membership, sync_every=args.sync_every, sync_delay=0, pacing=args.pacing,
             outer_bits=args.outer_bits, lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0,
             timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
         )  # fmt: skip
@@ -152,6 +155,9 @@ def replica_main(args: argparse.Namespace) -> None:
         membership.close()
         sys.exit(NO_PEER_EXIT_CODE)
     generator = torch.Generator().manual_seed(args.seed + 1000 * index + 1_000_000 * started)
+    step_seconds = args.step_seconds
+    if args.slow is not None and int(args.slow.split(":")[0]) == index:
+        step_seconds *= float(args.slow.split(":")[1])
     schedule = WarmupCosine(20, args.steps)
     log = open(directory / f"replica-{index}.jsonl", "a")
     clock, seen, losses = time.perf_counter(), 0, []
@@ -162,7 +168,8 @@ def replica_main(args: argparse.Namespace) -> None:
         for stats in [s for s in opt.round_stats if s.index >= seen]:
             seen = stats.index + 1
             entry = {"round": opt.outer_rounds, "inner_step": opt.num_updates, "participants": stats.participants,
-                     "dropped": stats.dropped, "content_heal": stats.content_heal, "loss": sum(losses) / len(losses) if losses else None,
+                     "dropped": stats.dropped, "content_heal": stats.content_heal,
+                     "steps": None if stats.replicas is None else list(stats.replicas.steps), "loss": sum(losses) / len(losses) if losses else None,
                      "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
                      "bytes": stats.collective_bytes}  # fmt: skip
             log.write(json.dumps(entry) + "\n")
@@ -184,8 +191,8 @@ def replica_main(args: argparse.Namespace) -> None:
             loss.backward()
             opt.accumulate()
             losses.append(loss.item())
-        if args.step_seconds:
-            time.sleep(args.step_seconds)
+        if step_seconds:
+            time.sleep(step_seconds)
         opt.step()
         record_rounds()
     opt.finish()

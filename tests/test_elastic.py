@@ -150,7 +150,7 @@ def test_a_group_that_missed_a_round_takes_the_others_global_values() -> None:
 
 STEPS, STEP_SECONDS = 450, 0.01  # paced (sleeping, one micro-batch a step): a restart is not starved by the runs beside it
 RUN = ["--replicas", "2", "--steps", str(STEPS), "--step-seconds", str(STEP_SECONDS), "--micro-batches", "1",
-       "--sync-every", "10", "--timeout", "10", "--quorum-timeout", "60"]
+       "--sync-every", "10", "--timeout", "10", "--quorum-timeout", "60", "--pacing", "lockstep"]
 
 
 LIGHTHOUSES: list = []  # one per run, served from this process (the launchers then load no torch)
@@ -258,3 +258,34 @@ def test_ten_runs_a_killed_replica_group_rejoins_while_the_other_trains(tmp_path
     for server in LIGHTHOUSES:
         server.shutdown()
     assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------- pacing in elastic rounds
+
+PACED = ["--replicas", "2", "--steps", "200", "--step-seconds", "0.03", "--micro-batches", "1", "--sync-every", "10",
+         "--timeout", "10", "--quorum-timeout", "60", "--pacing", "speed"]  # after RUN: later options win  # fmt: skip
+
+
+def rate(directory: Path, index: int) -> float:
+    """Replica ``index``'s inner steps per second from its third round to its last regular one."""
+    rounds = [r for r in records(directory, index) if not r.get("final") and r["inner_step"] < 200]
+    first, last = rounds[2], rounds[-1]
+    return (last["inner_step"] - first["inner_step"]) / (last["time"] - first["time"])
+
+
+@pytest.mark.timeout(240)
+def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path) -> None:
+    """Two groups with the default pacing ("speed"), equal speeds and group 1 three times slower
+    (both runs at once): at equal speeds every plan is [10, 10]; beside the slow group, group 0
+    keeps at least 0.9 of its rate at equal speeds, group 1 takes a third of the steps a round
+    (2 to 5 of 10), no round goes without it, and both end identical with exit 0."""
+    equal, slow = tmp_path / "equal", tmp_path / "slow"
+    processes = [launch(equal, *PACED), launch(slow, *PACED, "--slow", "1:3")]
+    for process, directory in zip(processes, (equal, slow)):
+        finish(process, directory)
+        assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text()
+    plans = [r["steps"] for r in records(equal, 0)[1:] if not r.get("final") and r["inner_step"] < 200]
+    assert all(plan == [10, 10] for plan in plans), plans
+    paced = [r for r in records(slow, 0)[3:] if not r.get("final") and r["inner_step"] < 200]
+    assert all(r["steps"][0] == 10 and 2 <= r["steps"][1] <= 5 and r["participants"] == 2 for r in paced), paced
+    assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
