@@ -21,13 +21,14 @@ round changes nothing on any replica but its residual (reset: what quantising th
 round would have carried, less than one quantisation step per value), and each replica keeps
 its own inner steps, which the next round carries.
 
-Every group knows which round its global values come from: the *lineage*, (torchft's step,
-the quorum's id) of the last round it landed, which no other round shares. The lighthouse may
+Every group knows which rounds its global values come from: the *lineage*, how many rounds
+have landed on them and a digest chained over each one's identity (torchft's step and the
+quorum's id, which no other round shares), kept in checkpoints. The lighthouse may
 form a quorum without a group that is alive but late (a paused process, a loaded machine): the
 others land a round it was not in, and its global values are then other than theirs although
 its step count may equal theirs (torchft heals by step count only). So every round's first
 exchange carries each participant's lineage, and where they differ the participants of the
-newest lineage send their global values to the others (a *heal by content*): those take them,
+newest lineage (the most rounds) send their global values to the others (a *heal by content*): those take them,
 rebuild their part of the outer state from them and hand over nothing in this round (their
 inner steps since their last landed round are lost; their step count goes on). No live group
 trains on other global values than the rest once it is in a round with them.
@@ -44,6 +45,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import hashlib
 import logging
 import socket
 import threading
@@ -87,7 +89,7 @@ class Quorum:
         healed: this replica took a peer's state at this round (it was behind: restarted).
         step: torchft's count of committed rounds (the same on every participant).
         quorum_id: the lighthouse's id of this quorum (a new one whenever the participants
-            change): with ``step``, the round's identity (its lineage once it lands).
+            change): with ``step``, the round's identity (chained into the lineage once it lands).
     """
 
     collectives: ReconfigurableCollectives
@@ -333,7 +335,7 @@ class ElasticRunner(LaneWork):
         self._round: Any = None  # the round being run (a heal rewrites its hand-over)
         self._heal_state, self._load_heal_state = heal_state, load_heal_state
         membership.bind(self._state_for_peer, self._heal)
-        # Where the global values come from: (torchft's step, quorum id) of the last round landed.
+        # Where the global values come from: (rounds landed, a digest chained over their identities).
         self.lineage: tuple[int, int] = (0, 0)
         self.most_participants = 0  # the most groups a landed round had: the job's groups, for finish()
         self.ends_job = False  # the last landed round ended the job on every participant
@@ -421,7 +423,7 @@ class ElasticRunner(LaneWork):
             for group, plan, new in zip(self._groups, self._epoch.plans, values):
                 group.gathered.zero_()
                 self._relay(new, plan, group.gathered, group.plan)
-            self.lineage = (quorum.step, quorum.quorum_id)
+            self.lineage = _next_lineage(self.lineage, quorum)
             self.most_participants = max(self.most_participants, quorum.replicas)
             # The job ends on a round every participant finishes in, with every group the job had
             # (or after a participant's finish_timeout): the same decision on every participant.
@@ -438,6 +440,45 @@ class ElasticRunner(LaneWork):
 
     def replay(self, round_: Any) -> RoundStats:
         raise AssertionError("elastic outer rounds are blocking: no round is in flight in a checkpoint")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What only elastic rounds keep, for a checkpoint of this group: the lineage, the most
+        groups a round had, the residuals and this participant's part of the outer state (its
+        chunk's master values and outer-optimizer state, for the participants of the last
+        round). A job resumed at the same groups and layout takes up its rounds bit for bit."""
+        epoch = self._epoch
+        return {
+            "lineage": list(self.lineage),
+            "most_participants": self.most_participants,
+            "residuals": None if self._residuals is None else list(self._residuals),
+            "epoch": None if epoch is None else {
+                "replica": epoch.replica, "replicas": epoch.replicas, "masters": list(epoch.masters),
+                "outers": [outer.state_dict() for outer in epoch.outers]},
+        }  # fmt: skip
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """A :meth:`state_dict`, after the join round of a fresh job: the round's epoch and
+        residuals give way to the saved ones (the next round keeps them if it has the same
+        participants, and rebuilds from the global values otherwise)."""
+        self.lineage = (int(saved["lineage"][0]), int(saved["lineage"][1]))
+        self.most_participants = int(saved["most_participants"])
+        device = self._groups[0].device
+        if saved["residuals"] is not None and self._residuals is not None:
+            self._residuals = [r.to(device=device, dtype=torch.float32).clone() for r in saved["residuals"]]
+        epoch = saved["epoch"]
+        if epoch is None:
+            self._epoch = None
+            return
+        replicas = int(epoch["replicas"])
+        plans = [plan_layout(Layout.FLAT, shapes, replicas) for shapes in self._shapes]
+        masters, outers = [], []
+        for master, state in zip(epoch["masters"], epoch["outers"]):
+            master = master.to(device=device, dtype=torch.float32).clone().requires_grad_(True)
+            outer = self._outer_optimizer([master])
+            outer.load_state_dict(state)
+            masters.append(master)
+            outers.append(outer)
+        self._epoch = _Epoch(int(epoch["replica"]), replicas, plans, masters, outers)
 
     @property
     def outer_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -608,12 +649,20 @@ class ElasticRunner(LaneWork):
             round_.hand_over = HandOver(0, 0.0, 0.0, own.stop, own.finishing)
 
 
+def _next_lineage(lineage: tuple[int, int], quorum: Quorum) -> tuple[int, int]:
+    """The lineage after landing ``quorum``'s round: one more round, the digest chained over its
+    identity (52 bits: exact in the exchange's float64)."""
+    count, digest = lineage
+    text = f"{digest}:{quorum.step}:{quorum.quorum_id}:{quorum.replicas}".encode()
+    return count + 1, int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 12
+
+
 @dataclass(frozen=True)
 class _Peer:
     """What a round's first exchange says of a participant beyond its hand-over.
 
     Attributes:
-        lineage: where its global values come from (the last round it landed).
+        lineage: where its global values come from (rounds landed, their chained digest).
         expected: the most groups a round it landed had (the job's groups, as it knows them).
         gives_up: it has waited ``finish_timeout`` in ``finish()`` for a missing group.
     """

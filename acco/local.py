@@ -111,8 +111,9 @@ class LocalLoop(Loop):
         if local.membership is not None:
             # The join: a first round with nothing to hand over (torchft forms its quorum with the
             # replica groups alive; a group behind them, e.g. restarted, takes a peer's state in it:
-            # load_heal_state()).
+            # load_heal_state()). A checkpoint may still be loaded after it.
             self._run_until_landed()
+            self.rounds_before_training = self._schedule.launched
 
     @staticmethod
     def sharded_class(options: Options) -> type | None:
@@ -393,6 +394,8 @@ class LocalLoop(Loop):
             "residuals": None if self.residuals is None else [per_param(g.plan, r) for g, r in zip(self._groups, self.residuals)],
             # overlap="estimate": identical on every rank; a round in flight has already updated it
             "common_terms": None if self.common_terms is None else [per_param(g.plan, c) for g, c in zip(self._groups, self.common_terms)],
+            # elastic replicas: the outer state of the round's participants, the lineage (acco.elastic)
+            "elastic": self.lane_work.state_dict() if self._parts.options.local.membership is not None else None,
         }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
@@ -416,6 +419,8 @@ class LocalLoop(Loop):
             self._load_residuals(saved)
         if self.common_terms is not None:
             self._load_common_terms(saved)
+        if saved.get("elastic") is not None:
+            self.lane_work.load_state_dict(saved["elastic"])
 
     def _load_common_terms(self, saved: dict[str, Any]) -> None:
         """The copies of the outer step's common part; from a state saved without the estimate

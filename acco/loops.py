@@ -178,6 +178,10 @@ class Loop:
         """Bytes of each buffer held now, per param group (docs/memory.md)."""
         return [group.buffer_bytes() for group in self._groups]
 
+    # Rounds a loop runs at construction, before any training (elastic replicas' join round):
+    # load_state_dict() may still follow them.
+    rounds_before_training: int = 0
+
     # The local loop's own counters and views, neutral in a per-update loop.
     outer_rounds: int = 0
     skipped_outer_rounds: int = 0

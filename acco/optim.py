@@ -814,7 +814,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         """
         self._check_usable("load_state_dict")
         state_dict = self._own_form(state_dict)
-        if self._schedule.in_flight is not None or self._schedule.launched or self._schedule.pending.micro_batches:
+        if (self._schedule.in_flight is not None or self._schedule.launched > self._loop.rounds_before_training
+                or self._schedule.pending.micro_batches):  # fmt: skip
             raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
         self.check_state_dict(state_dict)
         saved = state_dict["acco"]

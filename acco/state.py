@@ -166,7 +166,8 @@ def check_state_dict(
         for key, value in _group_header(group, sharded).items():
             if values[key] != value:
                 raise ValueError(f"param group {number}: saved {key} {values[key]!r}, this optimizer has {value!r}")
-        for key, length in (("master", sharded.plan.chunk), ("grad_accumulator", sharded.plan.padded_numel)):
+        master = sharded.plan.chunk if sharded.keeps_master else 0  # (elastic rounds keep theirs elsewhere)
+        for key, length in (("master", master), ("grad_accumulator", sharded.plan.padded_numel)):
             if not isinstance(values[key], Tensor) or values[key].shape != (length,):
                 raise ValueError(f"param group {number}: saved {key} is not a tensor of {length} elements")
     if saved.get("buffers") is not None and buffer_sync is not None:

@@ -30,6 +30,7 @@ pytest.importorskip("torchft")
 
 from acco import AccoOptimizer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
+from tests.ranks import _fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
 
@@ -46,11 +47,14 @@ def lighthouse():
 
 
 def replica_rank(index: int, address: str, steps: int, results, fail_at: int | None = None,  # type: ignore[no-untyped-def]
-                 miss_at: int | None = None) -> None:
+                 miss_at: int | None = None, checkpoint: tuple[str, str, int] | None = None) -> None:
     """One replica group of one process: mode="local" with torchft's membership; ``fail_at``:
     replica 1's legs of that round (torchft's step) report a failure, as a local error would;
     ``miss_at``: replica 1 drops that round after torchft committed it everywhere (as a group
-    the others landed a round without would be: the same step count, other global values)."""
+    the others landed a round without would be: the same step count, other global values);
+    ``checkpoint``: ``("save", dir, k)``: stop after inner step k with a checkpoint of this group
+    in ``dir/replica-I`` (acco.checkpoint, no finish()); ``("resume", dir, k)``: start from it."""
+    from acco import checkpoint as acco_checkpoint
     from acco.elastic import TorchFT
 
     class FailsOnce(TorchFT):
@@ -71,9 +75,16 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         cls, hp = OPTIMIZERS["adamw"]
         opt = AccoOptimizer(model, cls, mode="local", membership=membership, sync_every=H, sync_delay=0,
                             pacing="lockstep", max_grad_norm=MAX_NORM, timeout=datetime.timedelta(seconds=90), **hp)
-        for t in range(steps):
+        action, directory, first = checkpoint or (None, None, 0)
+        if action == "resume":
+            acco_checkpoint.load(Path(directory) / f"replica-{index}", opt, model)
+        for t in range(first if action == "resume" else 0, first if action == "save" else steps):
             inner_step(opt, model, t, index, weighted=False)
-        opt.finish()
+        if action == "save":
+            acco_checkpoint.save(Path(directory) / f"replica-{index}", opt, model)
+            opt.close()
+        else:
+            opt.finish()
         rounds = [(s.participants, s.dropped, s.content_heal) for s in opt.round_stats]
         # Plain bytes: a tensor sent through a queue lives in this process's shared memory, gone once it exits.
         results.put((index, {k: (v.numpy().tobytes(), tuple(v.shape)) for k, v in params_of(model).items()},
@@ -84,14 +95,15 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         raise
 
 
-def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = None) -> list[tuple]:
+def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = None,
+                 checkpoint: tuple[str, str, int] | None = None) -> list[tuple]:
     """Both replica groups in processes of their own, an in-process lighthouse: each one's
     (parameters, [(participants, dropped)] per round, outer rounds)."""
     server = lighthouse()
-    context = multiprocessing.get_context("spawn")
+    context = _fork_server()  # new processes that skip the seconds of importing torch
     results = context.Queue()
-    processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at, miss_at))
-                 for i in range(2)]  # fmt: skip
+    processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at, miss_at,
+                                                            checkpoint)) for i in range(2)]  # fmt: skip
     try:
         for process in processes:
             process.start()
@@ -105,7 +117,15 @@ def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = N
     for index in range(2):
         assert not isinstance(outcome[index][0], str), outcome[index][0]
     return [({k: torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for k, (b, shape) in p.items()},
-             rounds, count) for p, rounds, count in (outcome[0], outcome[1])]
+             after_join(rounds), count) for p, rounds, count in (outcome[0], outcome[1])]
+
+
+def after_join(rounds: list[tuple]) -> list[tuple]:
+    """A group's rounds from its first with both groups: a group that started first runs its
+    join round again until the other is there (start_with=2; each try is dropped)."""
+    first = next(n for n, (participants, dropped, _) in enumerate(rounds) if participants == 2 and not dropped)
+    assert all(dropped and participants == 1 for participants, dropped, _ in rounds[:first]), rounds
+    return rounds[first:]
 
 
 def test_rounds_without_failures_are_the_local_recurrence_at_4_bits() -> None:
@@ -133,6 +153,21 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
     assert count0 == count1 == 3
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
+
+
+def test_an_elastic_job_stopped_and_resumed_from_its_checkpoints_is_the_uninterrupted_run(tmp_path) -> None:
+    """Both groups stop after inner step 5 (between rounds, residuals and outer momentum in use),
+    each with its own checkpoint (acco.checkpoint.save); a new job (a new lighthouse, new
+    processes) loads them after its join round and trains to step 8: bit for bit the
+    uninterrupted 8-step run, on both groups."""
+    (whole0, _, count0), (whole1, _, _) = run_replicas(8)
+    run_replicas(8, checkpoint=("save", str(tmp_path), 5))
+    (params0, _, resumed0), (params1, _, _) = run_replicas(8, checkpoint=("resume", str(tmp_path), 5))
+    assert resumed0 == count0  # the saved count of rounds goes on (the new join round is the saved state's)
+    for name in whole0:
+        assert torch.equal(whole0[name], whole1[name]), name
+        assert torch.equal(params0[name], whole0[name]), name
+        assert torch.equal(params1[name], whole0[name]), name
 
 
 def test_a_group_that_missed_a_round_takes_the_others_global_values() -> None:
