@@ -206,7 +206,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         membership: ``local`` only: an :class:`acco.elastic.TorchFT`: each replica group is its
             own job (``process_group=None``), torchft decides who takes part in each outer round,
             a lost replica group's peers go on without it and a restarted one heals from a peer
-            (docs/elastic.md). Needs ``sync_delay=0``, ``pacing="lockstep"``, ``outer_bits`` below 32.
+            (docs/elastic.md). Needs ``sync_delay=0``, ``pacing`` ``"speed"`` or ``"lockstep"``,
+            ``outer_bits`` below 32.
         **defaults: the base optimizer's hyper-parameters (``lr=...``). A group dict may name
             its own ``optimizer_class`` (e.g. Muon) and ``layout``, and then takes its
             hyper-parameters from the group and that class's defaults.
