@@ -70,7 +70,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from acco import AccoOptimizer, Mode
 from acco import checkpoint as checkpoint_module
 from acco.integrations.schedules import CommitScheduler, acco_from_optimizer
-from acco.options import Options, parse_enum
+from acco.options import LOCKSTEP, Options, parse_enum
 
 __all__ = ["AccoStrategy", "LightningAccoOptimizer"]
 
@@ -163,6 +163,16 @@ class AccoStrategy(DDPStrategy):
     ) -> None:
         self.mode: Mode = parse_enum(Mode, mode, "mode")
         self.acco_kwargs = check_acco_kwargs(self.mode, acco_kwargs)
+        if self.mode is Mode.LOCAL:
+            # Validation, checkpoints and epoch ends are collectives at step counts: every
+            # replica must take the same steps per outer round.
+            pacing = self.acco_kwargs.setdefault("pacing", LOCKSTEP)
+            if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
+                raise ValueError(
+                    f"Invalid pacing={pacing!r} for AccoStrategy: the Trainer's validation, checkpoints and epoch "
+                    "ends are collectives at step counts, which replicas paced apart never all reach; use "
+                    "pacing='lockstep' (the default here) or sync_delay='auto' to keep replicas from waiting"
+                )
         if mesh is not None and not (
             isinstance(mesh, (tuple, list)) and len(mesh) == 2 and all(isinstance(n, int) and n >= 1 for n in mesh)
         ):
@@ -178,6 +188,7 @@ class AccoStrategy(DDPStrategy):
         )  # fmt: skip
         self._acco: LightningAccoOptimizer | None = None
         self._acco_finished = False
+        self._final_state: dict[str, Any] | None = None  # acco's state as training ended (rank 0)
         self._device_mesh: Any = None
         self._lifecycle = _AccoLifecycle(self)
 
@@ -246,6 +257,7 @@ class AccoStrategy(DDPStrategy):
             max_grad_norm=float(clip) if clip else None, process_group=group, **self.acco_kwargs,
         )  # fmt: skip
         self._acco_finished = False
+        self._final_state = None
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not config.reduce_on_plateau:
                 config.scheduler = CommitScheduler(config.scheduler, self._acco)
@@ -279,19 +291,24 @@ class AccoStrategy(DDPStrategy):
             self._require_acco().train()
 
     def finish(self) -> None:
-        """Land the last update (``AccoOptimizer.finish()``, collective) and step the
-        schedulers for it; the model then holds the last committed parameters. Run when
-        training ends; idempotent."""
+        """Land the last update (``AccoOptimizer.finish()``, collective): the model then holds
+        the last committed parameters (``local`` mode: every replica the same global ones).
+        Run when training ends; idempotent.
+
+        With checkpoint callbacks, acco's state is consolidated on rank 0 first (collective)
+        and kept: a checkpoint saved after this (``ModelCheckpoint(save_last=True)`` at the end
+        of training) holds the final model and the state training ended with, so it resumes
+        exactly as if training had not stopped. For the same reason the LR schedules are not
+        stepped for an update that ``finish()`` lands."""
         acco = self._acco
         if acco is None or self._acco_finished:
             return
+        trainer = self.lightning_module.trainer
+        if trainer is not None and trainer.checkpoint_callbacks and not self._sharded():
+            self._final_state = self._consolidated_state()
         self._acco_finished = True
-        committed = acco.finish()
+        acco.finish()
         acco.train()  # drops a copy eval() may still hold; the model keeps finish()'s parameters
-        if committed:
-            for config in self.lr_scheduler_configs:
-                if isinstance(config.scheduler, CommitScheduler):
-                    config.scheduler.step()
 
     def close(self) -> None:
         """Stop acco without landing anything and with no collective (after an error)."""
@@ -305,6 +322,7 @@ class AccoStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self.close()  # after finish() a no-op; after an error no collective runs
+        self._final_state = None
         super().teardown()
 
     def _live(self) -> bool:
@@ -332,11 +350,17 @@ class AccoStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """acco's whole state on rank 0 (``consolidate_state_dict``, collective), with the
         live parameters where they differ from the committed ones; ``{}`` on other ranks.
-        After ``finish()`` (or an error): no state, only a marker saying so."""
+        After ``finish()``: the state it was called with (kept by :meth:`finish`); after an
+        error: no state, only a marker saying so."""
         if not self._live():
-            return {FINISHED_KEY: True}
+            return self._final_state if self._final_state is not None else {FINISHED_KEY: True}
         if self._sharded():
             return {}  # save_checkpoint writes acco's state, every rank its shard
+        return self._consolidated_state()
+
+    def _consolidated_state(self) -> dict[str, Any]:
+        """acco's whole state on rank 0, with the live parameters in ``acco`` and ``dpu``
+        mode; ``{}`` on the other ranks. Collective."""
         acco = self._require_acco()
         acco.consolidate_state_dict(to=0)
         if not self.is_global_zero:

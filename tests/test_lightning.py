@@ -1,0 +1,271 @@
+"""AccoStrategy (Lightning Trainer) against Lightning's DDP, every mode, exact resumes, refusals.
+
+Each job launches fresh processes as torchrun would (``run_fresh``): Lightning finds
+``LOCAL_RANK`` and runs each process as one rank of ``devices=2``, setting up the gloo group
+itself. One job trains several Trainers back to back, so a launch serves several checks.
+The module is a small MLP (about 1.5 thousand parameters) on seeded data; an epoch is 20
+Trainer steps (2 ranks x ``accumulate_grad_batches=2`` x batches of 4: 160 samples).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from tests.helpers import assert_params_close  # noqa: E402
+from tests.ranks import run_fresh  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 40  # Trainer steps of a whole run
+STEPS_PER_EPOCH = 20
+BATCH = 4
+ACCUMULATE = 2
+SAMPLES = 2 * ACCUMULATE * BATCH * STEPS_PER_EPOCH
+LOCAL = {"sync_every": 4}  # local mode: an outer round every 4 inner steps (10 in a run)
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def data(seed: int = 1) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(SAMPLES, 16, generator=generator)
+    y = (x[:, :4] + 0.3 * x[:, 4:8]).argmax(1)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_module():
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        """Two param groups (no decay on biases) and a per-step cosine schedule."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            other = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                    lr=2e-2, betas=(0.9, 0.95))
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    return Classifier()
+
+
+def fit(strategy, steps: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None,
+        fail_at: int | None = None, **trainer_kwargs):
+    """One Trainer.fit on this process's rank; the module (committed parameters) afterwards."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = []
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0))
+    if fail_at is not None:
+        callbacks.append(_FailAt(fail_at))
+    module = make_module()
+    # This rank's half of the samples, in order, every epoch the same (no DistributedSampler,
+    # whose order depends on the epoch number): a resumed run meets the batches of the
+    # uninterrupted one whether Lightning counts the saved epoch as ended or not.
+    rank = int(os.environ.get("RANK", 0))
+    shard = torch.utils.data.Subset(data(), range(rank, SAMPLES, 2))
+    loader = torch.utils.data.DataLoader(shard, batch_size=BATCH, shuffle=False)
+    held_out = torch.utils.data.DataLoader(data(seed=2), batch_size=32)
+    settings = dict(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=ckpt_dir is not None, callbacks=callbacks, num_sanity_val_steps=1,
+        use_distributed_sampler=False,
+    )
+    settings.update(trainer_kwargs)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(**settings)
+    trainer.fit(module, loader, held_out, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def _FailAt(step: int):
+    from lightning.pytorch.callbacks import Callback
+
+    class FailAt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == step:
+                raise RuntimeError(f"interrupted at step {step}")
+
+    return FailAt()
+
+
+def held_out_loss(module) -> float:
+    x, y = data(seed=2).tensors
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(module.net(x), y))
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def job_parity_and_modes(ckpt_root: str) -> dict:
+    """DDP and acco's sync mode on the same module, data and seed; then acco, dpu and local,
+    each 40 steps; then acco and local for 20 steps with last.ckpt saved (resumed by the
+    next job); then a run interrupted by an exception on every rank (no collective in the
+    teardown: the job goes on)."""
+    from acco.integrations.lightning import AccoStrategy
+
+    out: dict = {"initial_loss": held_out_loss(make_module())}
+    ddp, _ = fit("ddp")
+    out["ddp"] = params(ddp)
+    for mode in ("sync", "acco", "dpu", "local"):
+        module, trainer = fit(AccoStrategy(mode=mode, **(LOCAL if mode == "local" else {})))
+        assert trainer.global_step == STEPS
+        acco = trainer.strategy.acco_optimizer
+        out[mode] = params(module)
+        out[f"{mode}_loss"] = held_out_loss(module)
+        out[f"{mode}_updates"] = acco.num_updates
+        out[f"{mode}_val_loss"] = float(trainer.callback_metrics["val_loss"])
+        out[f"{mode}_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    for mode in ("acco", "local"):
+        fit(AccoStrategy(mode=mode, **(LOCAL if mode == "local" else {})), steps=STEPS_PER_EPOCH,
+            ckpt_dir=f"{ckpt_root}/{mode}")
+    module, trainer = fit(AccoStrategy(mode="acco"), steps=6, precision="bf16-mixed")
+    out["bf16_loss"] = held_out_loss(module)
+    out["bf16_updates"] = trainer.strategy.acco_optimizer.num_updates
+    strategy = AccoStrategy(mode="acco")
+    try:
+        fit(strategy, fail_at=5)
+    except RuntimeError as error:
+        out["failure"] = str(error)
+    out["closed_after_failure"] = strategy.acco_optimizer is not None and strategy._acco_finished
+    return out
+
+
+def job_resume(ckpt_root: str) -> dict:
+    """acco and local resumed from last.ckpt (step 20) in new processes, to step 40."""
+    from acco.integrations.lightning import AccoStrategy
+
+    out = {}
+    for mode in ("acco", "local"):
+        path = f"{ckpt_root}/{mode}/last.ckpt"
+        out[f"{mode}_saved_step"] = torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+        module, trainer = fit(AccoStrategy(mode=mode, **(LOCAL if mode == "local" else {})), ckpt_path=path)
+        out[mode] = params(module)
+        out[f"{mode}_updates"] = trainer.strategy.acco_optimizer.num_updates
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("lightning")
+    return run_fresh(job_parity_and_modes, str(root), timeout=170), root
+
+
+def test_sync_matches_ddp(trained) -> None:
+    """accumulate_grad_batches=2, gradient_clip_val=1.0, two param groups, a cosine schedule:
+    40 steps of AccoStrategy(mode="sync") end within 1e-5 of Lightning's DDP."""
+    results, _ = trained
+    for rank in results:
+        assert_params_close(rank["sync"], rank["ddp"], rtol=0, atol=1e-5)
+        assert rank["sync_updates"] == STEPS
+        assert rank["sync_lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ran to its end
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "local"])
+def test_modes_train_and_ranks_agree(trained, mode: str) -> None:
+    results, _ = trained
+    first = results[0]
+    assert first[f"{mode}_loss"] < 0.8 * first["initial_loss"], (first[f"{mode}_loss"], first["initial_loss"])
+    assert math.isfinite(first[f"{mode}_val_loss"])
+    for rank in results[1:]:
+        for name, value in first[mode].items():
+            assert torch.equal(rank[mode][name], value), f"{name} differs across ranks"
+    # acco: an update is two rounds (the last one lands at finish()); dpu and local: one a step.
+    assert first[f"{mode}_updates"] == (STEPS // 2 if mode == "acco" else STEPS)
+
+
+def test_bf16_mixed_trains(trained) -> None:
+    results, _ = trained
+    assert math.isfinite(results[0]["bf16_loss"]) and results[0]["bf16_loss"] < results[0]["initial_loss"]
+    assert results[0]["bf16_updates"] == 3
+
+
+def test_exception_closes_without_collective(trained) -> None:
+    results, _ = trained
+    for rank in results:
+        assert rank["failure"] == "interrupted at step 5"
+        assert rank["closed_after_failure"]
+
+
+@pytest.mark.parametrize("mode", ["acco", "local"])
+def test_last_checkpoint_resumes_exactly(trained, mode: str) -> None:
+    """last.ckpt of a 20-step run, resumed in new processes to step 40, ends within 1e-6 of
+    the uninterrupted 40-step run (the round in flight and the schedule included)."""
+    results, root = trained
+    resumed = _resumed(root)
+    for rank, (whole, again) in enumerate(zip(results, resumed)):
+        assert again[f"{mode}_saved_step"] == STEPS_PER_EPOCH
+        assert again[f"{mode}_updates"] == whole[f"{mode}_updates"]
+        assert_params_close(again[mode], whole[mode], rtol=0, atol=1e-6)
+
+
+_RESUMED: dict[str, list[dict]] = {}
+
+
+def _resumed(root: Path) -> list[dict]:
+    if str(root) not in _RESUMED:
+        _RESUMED[str(root)] = run_fresh(job_resume, str(root), timeout=170)
+    return _RESUMED[str(root)]
+
+
+@pytest.mark.timeout(60)
+def test_refusals_before_any_collective() -> None:
+    """16-mixed fails when the Trainer is built; value clipping when fit starts, before the
+    process group exists; bad acco keywords when the strategy is made."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from acco.integrations.lightning import AccoStrategy
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # On CPU Lightning turns precision="16-mixed" into bf16; the plugin itself is what a GPU gets.
+    fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=AccoStrategy(), plugins=[fp16], logger=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=AccoStrategy(), gradient_clip_val=1.0,
+                         gradient_clip_algorithm="value", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, max_steps=1)
+    loader = torch.utils.data.DataLoader(data(), batch_size=BATCH)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        trainer.fit(make_module(), loader)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="sync_every"):
+        AccoStrategy(mode="local", sync_every=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        AccoStrategy(max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="pacing"):
+        AccoStrategy(mode="local", pacing="speed")
