@@ -49,7 +49,6 @@ torch one.
 from __future__ import annotations
 
 import datetime
-import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,18 +68,11 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import AccoOptimizer, Mode
 from acco import checkpoint as checkpoint_module
-from acco.integrations.schedules import CommitScheduler, acco_from_optimizer
-from acco.options import LOCKSTEP, Options, parse_enum
+from acco.integrations.schedules import CommitScheduler, acco_from_optimizer, check_acco_kwargs
+from acco.options import LOCKSTEP, parse_enum
 
 __all__ = ["AccoStrategy", "LightningAccoOptimizer"]
 
-_ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
-# AccoOptimizer keywords the strategy sets itself: the mode, the clip (gradient_clip_val), the
-# model, its process group (the world, or the mesh's replicate dimension).
-_SET_BY_STRATEGY = ("params", "optimizer_class", "mode", "max_grad_norm", "module", "process_group", "membership")
-_ACCO_KWARGS = tuple(
-    name for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY and name not in _SET_BY_STRATEGY
-)
 # Precision plugins whose work acco leaves intact: autocast or a cast of the module, no
 # gradient scaler. (bf16-mixed is MixedPrecision without a scaler.)
 _ACCEPTED_PRECISION = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
@@ -455,23 +447,6 @@ class _AccoLifecycle(Callback):
 
 
 # ------------------------------------------------------------------------------ checks
-
-
-def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """AccoOptimizer's own checks of the keywords a strategy passes on (``ValueError`` /
-    ``TypeError`` naming the bad value), run when the strategy is made, long before the
-    optimizer exists. Returns them as a dict."""
-    kwargs = dict(acco_kwargs)
-    unknown = sorted(set(kwargs) - set(_ACCO_KWARGS))
-    if unknown:
-        raise ValueError(
-            f"Invalid acco keywords {unknown}: the strategy passes {list(_ACCO_KWARGS)}; the mode is its own "
-            "argument, max_grad_norm comes from gradient clipping, the base optimizer from your code"
-        )
-    checked = inspect.signature(Options.check).parameters
-    given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
-    Options.check(**{name: v for name, v in {**given, **kwargs, "mode": mode}.items() if name in checked})
-    return kwargs
 
 
 def check_precision(plugin: Any) -> None:

@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from acco import AccoOptimizer
+from acco import AccoOptimizer, Mode
+from acco.options import Options
 
-__all__ = ["CommitScheduler", "acco_from_optimizer"]
+__all__ = ["CommitScheduler", "acco_from_optimizer", "check_acco_kwargs"]
+
+_ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
+# AccoOptimizer keywords the strategy sets itself: the mode, the clip (gradient_clip_val), the
+# model, its process group (the world, or the mesh's replicate dimension).
+_SET_BY_STRATEGY = ("params", "optimizer_class", "mode", "max_grad_norm", "module", "process_group", "membership")
+_ACCO_KWARGS = tuple(
+    name for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY and name not in _SET_BY_STRATEGY
+)
 
 # What torch.optim.lr_scheduler warns when the optimizer it was built on is never stepped
 # (acco steps in its place): true here and harmless.
@@ -124,3 +134,20 @@ def acco_from_optimizer(
     acco = acco_class(groups, cls, module=module, **acco_kwargs, **defaults)
     optimizer.param_groups = acco.param_groups  # schedules built on it now drive acco's groups
     return acco
+
+
+def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """AccoOptimizer's own checks of the keywords a strategy passes on (``ValueError`` /
+    ``TypeError`` naming the bad value), run when the strategy is made, long before the
+    optimizer exists. Returns them as a dict."""
+    kwargs = dict(acco_kwargs)
+    unknown = sorted(set(kwargs) - set(_ACCO_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"Invalid acco keywords {unknown}: the strategy passes {list(_ACCO_KWARGS)}; the mode is its own "
+            "argument, max_grad_norm comes from gradient clipping, the base optimizer from your code"
+        )
+    checked = inspect.signature(Options.check).parameters
+    given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
+    Options.check(**{name: v for name, v in {**given, **kwargs, "mode": mode}.items() if name in checked})
+    return kwargs
