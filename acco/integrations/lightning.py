@@ -93,6 +93,10 @@ class LightningAccoOptimizer(AccoOptimizer):
     Returns ``step()``'s bool (True when a committed update landed), not the closure's loss.
     """
 
+    # No GradScaler under the strategy (16-mixed is refused): with the flag set, Lightning's
+    # bf16-mixed plugin would refuse gradient_clip_val, taking acco for a fused optimizer.
+    _step_supports_amp_scaling = False
+
     def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
         if closure is not None:
             with torch.enable_grad():
