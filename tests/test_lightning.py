@@ -60,6 +60,18 @@ def make_module():
             x, y = batch
             self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
+        def configure_model(self):
+            # FSDP2 inside a replica group, as a user writes it for ModelParallelStrategy: the
+            # strategy's mesh (AccoStrategy(mesh=...)) names the dimension to shard on.
+            from torch.distributed.fsdp import fully_shard
+
+            if self.device_mesh is None or getattr(self.net, "_acco_test_sharded", False):
+                return
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=self.device_mesh["shard"])
+            fully_shard(self.net, mesh=self.device_mesh["shard"])
+            self.net._acco_test_sharded = True
+
         def configure_optimizers(self):
             decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
             other = [p for n, p in self.named_parameters() if not n.endswith("weight")]
@@ -72,26 +84,33 @@ def make_module():
 
 
 def fit(strategy, steps: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-        fail_at: int | None = None, **trainer_kwargs):
-    """One Trainer.fit on this process's rank; the module (committed parameters) afterwards."""
+        fail_at: int | None = None, devices: int = 2, module=None, save_every: int | None = None,
+        **trainer_kwargs):
+    """One Trainer.fit on this process's rank; the module (committed parameters) afterwards.
+
+    ``ckpt_dir``: ``last.ckpt`` saved there at the end of training, or with ``save_every``
+    a checkpoint every that many steps (``step=N.ckpt``), kept."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callbacks = []
-    if ckpt_dir is not None:
+    if ckpt_dir is not None and save_every is None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=0))
+    elif ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=save_every,
+                                         save_top_k=-1))
     if fail_at is not None:
         callbacks.append(_FailAt(fail_at))
-    module = make_module()
-    # This rank's half of the samples, in order, every epoch the same (no DistributedSampler,
+    module = make_module() if module is None else module
+    # This rank's share of the samples, in order, every epoch the same (no DistributedSampler,
     # whose order depends on the epoch number): a resumed run meets the batches of the
     # uninterrupted one whether Lightning counts the saved epoch as ended or not.
     rank = int(os.environ.get("RANK", 0))
-    shard = torch.utils.data.Subset(data(), range(rank, SAMPLES, 2))
+    shard = torch.utils.data.Subset(data(), range(rank, SAMPLES, devices))
     loader = torch.utils.data.DataLoader(shard, batch_size=BATCH, shuffle=False)
     held_out = torch.utils.data.DataLoader(data(seed=2), batch_size=32)
     settings = dict(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=ACCUMULATE,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=ckpt_dir is not None, callbacks=callbacks, num_sanity_val_steps=1,
         use_distributed_sampler=False,
@@ -121,7 +140,17 @@ def held_out_loss(module) -> float:
 
 
 def params(module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    """Whole parameters, as plain tensors (FSDP2's DTensors gathered: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+
+
+def loss_at(parameters: dict[str, torch.Tensor]) -> float:
+    """The held-out loss of the module at these (whole) parameters, on this process alone."""
+    module = make_module()
+    module.load_state_dict(parameters)
+    return held_out_loss(module)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -172,6 +201,37 @@ def job_resume(ckpt_root: str) -> dict:
         module, trainer = fit(AccoStrategy(mode=mode, **(LOCAL if mode == "local" else {})), ckpt_path=path)
         out[mode] = params(module)
         out[f"{mode}_updates"] = trainer.strategy.acco_optimizer.num_updates
+    return out
+
+
+MESH = (2, 2)  # 2 replica groups (acco across them) of 2 ranks (FSDP2 inside each)
+MESH_STEPS = 20  # 4 ranks x 2 micro-batches x 4 samples: an epoch is 5 steps
+
+
+def job_mesh(ckpt_root: str) -> dict:
+    """On 4 ranks, acco across the replicate dimension of a 2x2 mesh, FSDP2 (the module's
+    configure_model) on the shard one, checkpoints sharded through DCP: 20 steps saving at
+    step 10 (during training); 10 steps saving last.ckpt after finish(); that one resumed to
+    step 20 (a new Trainer, strategy and module)."""
+    from acco.integrations.lightning import AccoStrategy
+
+    def strategy():
+        return AccoStrategy(mode="acco", mesh=MESH, checkpoint="sharded")
+
+    module, trainer = fit(strategy(), steps=MESH_STEPS, devices=4, ckpt_dir=f"{ckpt_root}/whole", save_every=10)
+    weight = next(module.net.parameters())
+    out = {
+        "sharded": type(weight).__name__ == "DTensor" and weight.device_mesh.mesh_dim_names == ("shard",),
+        "acco_ranks": trainer.strategy.acco_optimizer.world_size,  # the replicate dimension
+        "whole": params(module),
+        "updates": trainer.strategy.acco_optimizer.num_updates,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+    }
+    fit(strategy(), steps=MESH_STEPS // 2, devices=4, ckpt_dir=f"{ckpt_root}/half", default_root_dir=ckpt_root)
+    out["final_dir_left"] = os.path.exists(f"{ckpt_root}/.acco-final")
+    module, trainer = fit(strategy(), steps=MESH_STEPS, devices=4, ckpt_path=f"{ckpt_root}/half/last.ckpt")
+    out["resumed"] = params(module)
+    out["resumed_updates"] = trainer.strategy.acco_optimizer.num_updates
     return out
 
 
@@ -314,3 +374,32 @@ def test_fabric_sync_matches_ddp() -> None:
     """The same loop on Fabric's DDP and on AccoFabricStrategy("sync"): within 1e-5 after 20 steps."""
     for rank in run_fresh(job_fabric, timeout=120):
         assert_params_close(rank["sync"], rank["ddp"], rtol=0, atol=1e-5)
+
+
+def test_fsdp2_mesh_trains_and_sharded_checkpoint_resumes_exactly(tmp_path) -> None:
+    """AccoStrategy(mesh=(2, 2), checkpoint="sharded") on 4 ranks: the module's own
+    configure_model shards it with FSDP2 inside each replica group; the held-out loss falls and
+    every rank ends with the same whole parameters. A 10-step run's last.ckpt (saved after
+    finish()) resumed to step 20 ends within 1e-6 of the uninterrupted run, and holds the same
+    acco state as that run's checkpoint at step 10 (saved during training)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    results = run_fresh(job_mesh, str(tmp_path), world_size=4, timeout=170)
+    first = results[0]
+    initial = held_out_loss(make_module())
+    assert loss_at(first["whole"]) < 0.8 * initial, (loss_at(first["whole"]), initial)
+    assert math.isfinite(first["val_loss"])
+    assert not first["final_dir_left"]  # rank 0 removes finish()'s copy at teardown
+    for rank in results:
+        assert rank["sharded"] and rank["acco_ranks"] == MESH[0]
+        assert rank["updates"] == rank["resumed_updates"] == MESH_STEPS // 2
+        assert_params_close(rank["whole"], first["whole"], rtol=0, atol=0)
+        assert_params_close(rank["resumed"], rank["whole"], rtol=0, atol=1e-6)
+    saved = {}
+    for name, path in (("live", tmp_path / "whole/step=10.ckpt"), ("final", tmp_path / "half/last.ckpt")):
+        dcp_to_torch_save(path / "acco", tmp_path / f"{name}.pt")
+        saved[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    assert saved["live"].keys() == saved["final"].keys()
+    for key, value in saved["live"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, saved["final"][key]), key

@@ -49,6 +49,7 @@ torch one.
 from __future__ import annotations
 
 import datetime
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ LIVE_PARAMETERS_KEY = "acco_live_parameters"
 FINISHED_KEY = "acco_finished"
 _SHARDED_DIR = "acco"  # inside a sharded checkpoint's directory: acco's DCP checkpoint
 _META_FILE = "lightning.pt"  # inside it: the Trainer's own entries (loops, callbacks, schedulers)
+# Under the Trainer's default_root_dir, with checkpoint="sharded": acco's state as training
+# ended, written by finish() for the checkpoints saved after it (removed at teardown).
+_FINAL_DIR = ".acco-final"
 
 
 class LightningAccoOptimizer(AccoOptimizer):
@@ -185,6 +189,7 @@ class AccoStrategy(DDPStrategy):
         self._acco: LightningAccoOptimizer | None = None
         self._acco_finished = False
         self._final_state: dict[str, Any] | None = None  # acco's state as training ended (rank 0)
+        self._final_dir: Path | None = None  # the same, sharded through DCP (checkpoint="sharded")
         self._device_mesh: Any = None
         self._lifecycle = _AccoLifecycle(self)
 
@@ -254,6 +259,7 @@ class AccoStrategy(DDPStrategy):
         )  # fmt: skip
         self._acco_finished = False
         self._final_state = None
+        self._final_dir = None
         for config in self.lr_scheduler_configs:
             if config.interval == "step" and not config.reduce_on_plateau:
                 config.scheduler = CommitScheduler(config.scheduler, self._acco)
@@ -292,16 +298,22 @@ class AccoStrategy(DDPStrategy):
         Run when training ends; idempotent.
 
         With checkpoint callbacks, acco's state is consolidated on rank 0 first (collective)
-        and kept: a checkpoint saved after this (``ModelCheckpoint(save_last=True)`` at the end
-        of training) holds the final model and the state training ended with, so it resumes
-        exactly as if training had not stopped. For the same reason the LR schedules are not
-        stepped for an update that ``finish()`` lands."""
+        and kept (``checkpoint="sharded"``: written through DCP under the Trainer's
+        ``default_root_dir``, in ``.acco-final/``): a checkpoint saved after this
+        (``ModelCheckpoint(save_last=True)`` at the end of training) holds the final model and
+        the state training ended with, so it resumes exactly as if training had not stopped.
+        For the same reason the LR schedules are not stepped for an update that ``finish()``
+        lands."""
         acco = self._acco
         if acco is None or self._acco_finished:
             return
         trainer = self.lightning_module.trainer
-        if trainer is not None and trainer.checkpoint_callbacks and not self._sharded():
-            self._final_state = self._consolidated_state()
+        if trainer is not None and trainer.checkpoint_callbacks:
+            if self._sharded():
+                self._final_dir = Path(trainer.default_root_dir) / _FINAL_DIR / _SHARDED_DIR
+                checkpoint_module.save(self._final_dir, acco, self.lightning_module)
+            else:
+                self._final_state = self._consolidated_state()
         self._acco_finished = True
         acco.finish()
         acco.train()  # drops a copy eval() may still hold; the model keeps finish()'s parameters
@@ -319,6 +331,9 @@ class AccoStrategy(DDPStrategy):
     def teardown(self) -> None:
         self.close()  # after finish() a no-op; after an error no collective runs
         self._final_state = None
+        if self._final_dir is not None and self.is_global_zero:
+            shutil.rmtree(self._final_dir.parent, ignore_errors=True)
+        self._final_dir = None
         super().teardown()
 
     def _live(self) -> bool:
@@ -392,7 +407,8 @@ class AccoStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Lightning's file on rank 0; with ``checkpoint="sharded"`` a directory instead:
         acco's DCP checkpoint under ``acco/`` (every rank writes its shard, with the live
-        parameters as the model) and the Trainer's other entries in ``lightning.pt`` (rank 0).
+        parameters as the model; after ``finish()``, a copy of the one it wrote) and the
+        Trainer's other entries in ``lightning.pt`` (rank 0).
 
         .. warning:: Collective with ``checkpoint="sharded"``.
         """
@@ -401,10 +417,16 @@ class AccoStrategy(DDPStrategy):
         path = Path(filepath)
         if self._live():
             checkpoint_module.save(path / _SHARDED_DIR, self._require_acco(), self.lightning_module)
+        elif self._final_dir is not None and self.is_global_zero:
+            # DCP's files are on a file system every rank reads (its metadata names them all).
+            shutil.rmtree(path / _SHARDED_DIR, ignore_errors=True)
+            shutil.copytree(self._final_dir, path / _SHARDED_DIR)
         if self.is_global_zero:
             path.mkdir(parents=True, exist_ok=True)
-            # The model is in acco's DCP checkpoint (as DTensor blocks on a mesh), not here.
-            torch.save({**checkpoint, "state_dict": {}}, path / _META_FILE)
+            # The model is in acco's DCP checkpoint (as DTensor blocks on a mesh), not here;
+            # after an error, or after finish() with no checkpoint callback, only here.
+            has_acco = self._live() or self._final_dir is not None
+            torch.save({**checkpoint, "state_dict": {}} if has_acco else checkpoint, path / _META_FILE)
         self.barrier()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
