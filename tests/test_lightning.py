@@ -9,6 +9,8 @@ Trainer steps (2 ranks x ``accumulate_grad_batches=2`` x batches of 4: 160 sampl
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import os
 from pathlib import Path
@@ -41,8 +43,9 @@ def data(seed: int = 1) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def make_module():
-    import lightning.pytorch as pl
+def make_module(namespace: str = "lightning.pytorch"):
+    """The test's LightningModule, from ``namespace`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    pl = importlib.import_module(namespace)
 
     class Classifier(pl.LightningModule):
         """Two param groups (no decay on biases) and a per-step cosine schedule."""
@@ -85,13 +88,14 @@ def make_module():
 
 def fit(strategy, steps: int = STEPS, ckpt_dir: str | None = None, ckpt_path: str | None = None,
         fail_at: int | None = None, devices: int = 2, module=None, save_every: int | None = None,
-        **trainer_kwargs):
+        namespace: str = "lightning.pytorch", **trainer_kwargs):
     """One Trainer.fit on this process's rank; the module (committed parameters) afterwards.
 
     ``ckpt_dir``: ``last.ckpt`` saved there at the end of training, or with ``save_every``
-    a checkpoint every that many steps (``step=N.ckpt``), kept."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    a checkpoint every that many steps (``step=N.ckpt``), kept. ``namespace``: the Trainer's
+    (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    pl = importlib.import_module(namespace)
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint
 
     callbacks = []
     if ckpt_dir is not None and save_every is None:
@@ -101,7 +105,7 @@ def fit(strategy, steps: int = STEPS, ckpt_dir: str | None = None, ckpt_path: st
                                          save_top_k=-1))
     if fail_at is not None:
         callbacks.append(_FailAt(fail_at))
-    module = make_module() if module is None else module
+    module = make_module(namespace) if module is None else module
     # This rank's share of the samples, in order, every epoch the same (no DistributedSampler,
     # whose order depends on the epoch number): a resumed run meets the batches of the
     # uninterrupted one whether Lightning counts the saved epoch as ended or not.
@@ -187,6 +191,12 @@ def job_parity_and_modes(ckpt_root: str) -> dict:
     except RuntimeError as error:
         out["failure"] = str(error)
     out["closed_after_failure"] = strategy.acco_optimizer is not None and strategy._acco_finished
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from acco.integrations import pytorch_lightning
+
+        module, trainer = fit(pytorch_lightning.AccoStrategy(mode="sync"), namespace="pytorch_lightning")
+        out["pytorch_lightning_sync"] = params(module)
+        out["pytorch_lightning_updates"] = trainer.strategy.acco_optimizer.num_updates
     return out
 
 
@@ -252,6 +262,16 @@ def test_sync_matches_ddp(trained) -> None:
         assert_params_close(rank["sync"], rank["ddp"], rtol=0, atol=1e-5)
         assert rank["sync_updates"] == STEPS
         assert rank["sync_lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine schedule ran to its end
+
+
+def test_pytorch_lightning_namespace_matches_ddp(trained) -> None:
+    """acco.integrations.pytorch_lightning.AccoStrategy in a pytorch_lightning.Trainer (a
+    pytorch_lightning.LightningModule): 40 sync steps end within 1e-5 of lightning's DDP."""
+    pytest.importorskip("pytorch_lightning")
+    results, _ = trained
+    for rank in results:
+        assert rank["pytorch_lightning_updates"] == STEPS
+        assert_params_close(rank["pytorch_lightning_sync"], rank["ddp"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu", "local"])
