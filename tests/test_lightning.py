@@ -147,7 +147,8 @@ def params(module) -> dict[str, torch.Tensor]:
     """Whole parameters, as plain tensors (FSDP2's DTensors gathered: collective)."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in module.named_parameters()}
 
 
 def loss_at(parameters: dict[str, torch.Tensor]) -> float:

@@ -228,7 +228,9 @@ class AccoStrategy(DDPStrategy):
 
             replicas, shard = self.mesh_shape
             if replicas * shard != self.world_size:
-                raise ValueError(f"Invalid mesh {self.mesh_shape}: {replicas} x {shard} != world size {self.world_size}")
+                raise ValueError(
+                    f"Invalid mesh {self.mesh_shape}: {replicas} x {shard} != world size {self.world_size}"
+                )
             self._device_mesh = init_device_mesh(self.root_device.type, self.mesh_shape,
                                                  mesh_dim_names=("replicate", "shard"))
             self.lightning_module._device_mesh = self._device_mesh
