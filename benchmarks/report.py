@@ -21,6 +21,7 @@ import common
 import convergence
 import example_runs
 import gpu_overlap
+import lightning_slow_link
 import memory
 import profile_lanes
 import throughput
@@ -33,7 +34,7 @@ __all__ = ["main"]
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md", *sorted((common.REPO_ROOT / "docs").glob("*.md")))
 # In the order of the runtimes table; results files are named after each one's Benchmark.
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
-                                      two_nodes, example_runs)
+                                      two_nodes, example_runs, lightning_slow_link)
 
 
 def generate(results_dir: Path) -> dict[str, str]:

@@ -171,7 +171,8 @@ class RankPool:
 
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_PRELOAD = ["torch", "transformers", "transformers.trainer", "accelerate", "tests.test_hf"]
+_PRELOAD = ["torch", "transformers", "transformers.trainer", "accelerate", "tests.test_hf", "lightning.pytorch",
+            "pytorch_lightning", "tests.test_lightning"]  # a missing one is skipped by the fork server
 
 
 def _child(fn: Callable[..., Any], args: tuple, environment: dict[str, str], outbox: mp.Queue) -> None:

@@ -5,6 +5,10 @@ Each lives in its own module and imports its framework only when imported itself
 
 - :mod:`acco.integrations.hf`: ``AccoTrainer``, a ``transformers.Trainer`` that trains with
   ``AccoOptimizer`` (``pip install 'acco[hf]'``).
+- :mod:`acco.integrations.lightning`: ``AccoStrategy``, a Lightning Trainer strategy, and
+  :mod:`acco.integrations.fabric`: ``AccoFabricStrategy``, a Fabric one
+  (``pip install 'acco[lightning]'``).
+- :mod:`acco.integrations.schedules`: what they share (no framework import).
 """
 
 __all__: list[str] = []

@@ -84,6 +84,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
+from acco.integrations.schedules import CommitScheduler
 from acco.options import LOCKSTEP, Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
@@ -101,53 +102,6 @@ _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 # neither can run on a shard.
 _UNSHARDABLE_OPTIMIZERS = ("lomo", "adalomo", "schedule_free")
 _MAPPED_MODULES = ("torch.optim.", "transformers.optimization")
-
-
-class CommitScheduler:
-    """Steps an LR schedule once per committed update of an :class:`AccoOptimizer`.
-
-    The Trainer calls ``lr_scheduler.step()`` after every ``optimizer.step()``; this one
-    advances the wrapped schedule only up to ``optimizer.num_updates``, so estimate rounds
-    and skipped updates do not move it, and calling it twice for one update is harmless.
-    :class:`AccoTrainer` also calls it right after the acco commit that lands inside a
-    training step, which is the order of ``if opt.step(): scheduler.step()``: every commit
-    is handed over with the learning rate a synchronous run would use for it.
-
-    Args:
-        scheduler: the schedule to follow, built on ``optimizer``, counting updates.
-        optimizer: the AccoOptimizer whose committed updates drive it.
-
-    Example::
-
-        >>> schedule = transformers.get_cosine_schedule_with_warmup(opt, 10, 100)
-        >>> scheduler = CommitScheduler(schedule, opt)
-        >>> opt.step(); scheduler.step()  # advances only if step() committed
-    """
-
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: AccoOptimizer) -> None:
-        self.scheduler = scheduler
-        self.optimizer = optimizer
-        self.updates = 0  # committed updates the schedule has stepped for
-
-    def step(self) -> None:
-        while self.updates < self.optimizer.num_updates:
-            self.scheduler.step()
-            self.updates += 1
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    @property
-    def last_epoch(self) -> int:
-        return self.scheduler.last_epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"scheduler": the wrapped schedule's state dict, "updates": int}``."""
-        return {"scheduler": self.scheduler.state_dict(), "updates": self.updates}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict["scheduler"])
-        self.updates = int(state_dict["updates"])
 
 
 @dataclasses.dataclass(frozen=True)
