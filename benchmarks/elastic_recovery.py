@@ -9,7 +9,9 @@ of its inner steps), and reports per run, from the replicas' jsonl records:
 - alone: the survivor's inner steps while replica 1 was gone;
 - the held-out loss of the final global values against the uninterrupted run's (same inner steps);
 - bytes: an outer round's bytes per replica (2 groups, and 1), and the bytes a heal moves: the
-  serialized size of what a peer sends (the global values and the inner AdamW state).
+  serialized size of what a peer sends (the global values and the inner AdamW state);
+- memory: ``buffer_bytes()`` of an elastic group at the end of the uninterrupted run, beside a
+  fixed group's (the same model and options, 2 ranks of one gloo process group).
 
     pip install -e '.[ft]'
     python benchmarks/elastic_recovery.py --runs 6 --out benchmarks/results/elastic-recovery.json
@@ -67,6 +69,7 @@ def run(directory: Path, steps: int, kill_after: float | None, seed: int) -> dic
     rounds = [r for r in survivor if not r.get("final")]
     result: dict[str, Any] = {
         "eval_loss": survivor[-1]["eval_loss"],
+        "buffer_bytes": survivor[-1].get("buffer_bytes"),
         "same_final": (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text(),
         "round_bytes": {str(p): statistics.median(r["bytes"] for r in rounds if r["participants"] == p)
                         for p in sorted({r["participants"] for r in rounds})},
@@ -99,6 +102,54 @@ def heal_bytes(n_layer: int = 1, n_embd: int = 32, n_head: int = 2, seq_len: int
     return buffer.getbuffer().nbytes
 
 
+def _fixed_rank(rank: int, port: int, out: Any) -> None:
+    """One rank of a fixed 2-rank group with the example's model and options (one round)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(common.REPO_ROOT / "examples"))
+    from train_gpt import GPT, GPTConfig, param_groups
+
+    from acco import AccoOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(1, 32, 2, 32))
+    opt = AccoOptimizer(param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local",
+                        sync_every=1, sync_delay=0, outer_bits=4, lr=3e-3, max_grad_norm=1.0)  # fmt: skip
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.accumulate()
+    opt.step()
+    opt.finish()
+    if rank == 0:
+        out.put({key: sum(entry[key] for entry in opt.buffer_bytes()) for key in opt.buffer_bytes()[0]})
+    dist.destroy_process_group()
+
+
+def fixed_buffer_bytes() -> dict[str, int]:
+    """``buffer_bytes()`` of rank 0 of a fixed 2-rank group (mode="local", the example's options)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    processes = [context.Process(target=_fixed_rank, args=(rank, port, out)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    result = out.get(timeout=120)
+    for process in processes:
+        process.join(timeout=60)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -111,7 +162,13 @@ def main() -> None:
         reference = run(Path(tmp) / "uninterrupted", args.steps, None, args.seed)
         killed = [run(Path(tmp) / f"killed-{n}", args.steps, rng.uniform(0.0, 1.5), args.seed) for n in range(args.runs)]
     size = heal_bytes()
+    fixed = fixed_buffer_bytes()
+    elastic = reference["buffer_bytes"]
     print(f"uninterrupted: eval loss {reference['eval_loss']:.4f}; round bytes per replica {reference['round_bytes']}")
+    print("memory (buffer_bytes(), summed over param groups): | buffer | fixed group, rank 0 of 2 | elastic group, 1 of 2 |")
+    for key in sorted(set(fixed) | set(elastic or {})):
+        print(f"| {key} | {fixed.get(key, 0):,} | {(elastic or {}).get(key, 0):,} |")
+    print(f"| total | {sum(fixed.values()):,} | {sum((elastic or {}).values()):,} |")
     print(f"a heal moves {size:,} bytes (global values + inner AdamW state, serialized)")
     print("| run | detect (s) | rejoin (s) | survivor's steps alone | dropped rounds | eval loss | vs uninterrupted |")
     print("|---|---|---|---|---|---|---|")
@@ -124,7 +181,7 @@ def main() -> None:
           f"{statistics.median(r['eval_loss'] / reference['eval_loss'] - 1 for r in killed):+.2%}")
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": args.steps, "reference": reference, "killed": killed,
-                                              "heal_bytes": size}, indent=1))  # fmt: skip
+                                              "heal_bytes": size, "fixed_buffer_bytes": fixed}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

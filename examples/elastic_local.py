@@ -201,8 +201,9 @@ def replica_main(args: argparse.Namespace) -> None:
     digest = hashlib.sha256()
     for value in model.state_dict().values():
         digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    log.write(json.dumps({"final": True, "eval_loss": final, "inner_step": opt.num_updates, "round": opt.outer_rounds})
-              + "\n")  # fmt: skip
+    buffers = {key: sum(entry[key] for entry in opt.buffer_bytes()) for key in opt.buffer_bytes()[0]}
+    log.write(json.dumps({"final": True, "eval_loss": final, "inner_step": opt.num_updates, "round": opt.outer_rounds,
+                          "buffer_bytes": buffers}) + "\n")  # fmt: skip
     log.close()
     (directory / f"replica-{index}.final").write_text(digest.hexdigest())
     print(f"replica {index} | finished at inner step {opt.num_updates} | eval loss {final:.4f}", flush=True)
