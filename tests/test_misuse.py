@@ -57,7 +57,8 @@ BAD_ARGUMENTS = [
     # Elastic replicas (acco.elastic; a TorchFT that is never asked anything: the checks come first).
     (dict(mode="local", membership=ELASTIC, pacing="lockstep", sync_delay=2), ValueError,
      "Invalid sync_delay with membership: 2"),
-    (dict(mode="local", membership=ELASTIC), ValueError, "Invalid pacing with membership: 'speed'"),
+    (dict(mode="local", membership=ELASTIC, sync_delay=0, sync_every=5, pacing=[2, 5]), ValueError,
+     r"Invalid pacing with membership: \(2, 5\)"),
     (dict(mode="local", membership=ELASTIC, pacing="lockstep", outer_bits=32), ValueError,
      "Invalid outer_bits with membership: 32"),
     (dict(mode="local", membership=ELASTIC, pacing="lockstep", timeout=datetime.timedelta(seconds=5)), ValueError,
