@@ -122,7 +122,7 @@ class RankPool:
     """``world_size`` spawned processes in one gloo group, running test functions."""
 
     def __init__(self, world_size: int) -> None:
-        context = mp.get_context("spawn")
+        context = _fork_server()  # new processes that skip the seconds of importing torch
         port = free_port()
         self.world_size = world_size
         self._outbox = context.Queue()
