@@ -310,6 +310,7 @@ class ElasticRunner(LaneWork):
     """
 
     max_failed_rounds = 3
+    finish_poll_seconds = 0.1  # between finish()'s rounds while a group of the job is not there
 
     def __init__(
         self,
@@ -355,6 +356,8 @@ class ElasticRunner(LaneWork):
         stats, record = round_.stats, self._recorder
         record.lane_start(stats)
         self._round = round_
+        if round_.hand_over.finishing and self._finishing_since is not None:
+            time.sleep(self.finish_poll_seconds)  # finish() waits for a group of the job: no busy loop of rounds
         try:
             with record.phase(stats, "quorum"):
                 quorum = self._membership.start_round()
