@@ -7,13 +7,17 @@ lighthouse, outer rounds over torchft's gloo process group.
   collectives); the survivor keeps taking inner steps alone, the killed one is restarted, heals
   from the survivor and trains again; every replica ends at the same global values and the
   held-out loss within 2% of an uninterrupted run at the survivor's inner steps. 10 runs.
+- A group that missed a round the others landed (the same step count, other global values)
+  takes their global values at its next round (a heal by content).
+- An elastic job stopped with every group's checkpoint resumes bit for bit.
+- Speed pacing: beside a group 3 times slower the fast one keeps its rate.
+Under pauses, CPU hogs and near-end kills: benchmarks/elastic_stress.py.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import random
 import signal
