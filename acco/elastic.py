@@ -532,22 +532,19 @@ class ElasticRunner(LaneWork):
         newest = max(peer.lineage for peer in peers)
         source = next(r for r, peer in enumerate(peers) if peer.lineage == newest)
         follower = quorum.replica in followers
-        for number, values in enumerate(self._global_values):
+        for group, values in zip(self._groups, self._global_values):
             sent = values.clone() if quorum.replica == source else torch.zeros_like(values)
             quorum.collectives.all_reduce_sum_(sent)
             if follower:
                 values.copy_(sent)
-                self._groups[number].load_params(values)
-                round_.params[number].copy_(values)
+                group.load_params(values)
         if not follower:
             return
         _log.warning("elastic outer round %d: this replica group's global values were not the round's (it missed a "
                      "round the others landed): it takes theirs; its inner steps since its last round are lost",
                      round_.stats.index)  # fmt: skip
-        for residual in self._residuals or []:
-            residual.zero_()
-        own = round_.hand_over
-        round_.hand_over = HandOver(0, 0.0, own.step_seconds, own.stop, own.finishing)
+        # (Its residuals restart with its outer state: _epoch_for(rebuild=True).)
+        self._hand_over_global_values(round_, round_.hand_over.step_seconds)
         self.lineage = newest
 
     def _epoch_for(self, quorum: Quorum, rebuild: bool = False) -> _Epoch:
@@ -644,12 +641,16 @@ class ElasticRunner(LaneWork):
         self._load_heal_state(state)
         self.lineage = tuple(state.get("lineage", self.lineage))
         self.most_participants = max(self.most_participants, int(state.get("most_participants", 0)))
-        round_ = self._round
-        if round_ is not None:
-            for params, values in zip(round_.params, self._global_values):
-                params.copy_(values)
-            own = round_.hand_over
-            round_.hand_over = HandOver(0, 0.0, 0.0, own.stop, own.finishing)
+        if self._round is not None:
+            self._hand_over_global_values(self._round, 0.0)
+
+    def _hand_over_global_values(self, round_: Any, step_seconds: float) -> None:
+        """This round's hand-over becomes the global values themselves, with no steps and no
+        weight (a heal: this replica's own progress is not the round's)."""
+        for params, values in zip(round_.params, self._global_values):
+            params.copy_(values)
+        own = round_.hand_over
+        round_.hand_over = HandOver(0, 0.0, step_seconds, own.stop, own.finishing)
 
 
 def _next_lineage(lineage: tuple[int, int], quorum: Quorum) -> tuple[int, int]:
