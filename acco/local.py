@@ -362,9 +362,7 @@ class LocalLoop(Loop):
 
     @property
     def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
-        if self._parts.options.local.membership is not None:  # the ones on this participant's chunk now
-            return self.lane_work.outer_optimizers
-        return list(self.shard_optimizers)
+        return self.lane_work.outer_optimizers
 
     def state_dict(self) -> dict[str, Any]:
         """The clock, this replica's parameters and inner optimizers' state, and the
@@ -395,7 +393,7 @@ class LocalLoop(Loop):
             # overlap="estimate": identical on every rank; a round in flight has already updated it
             "common_terms": None if self.common_terms is None else [per_param(g.plan, c) for g, c in zip(self._groups, self.common_terms)],
             # elastic replicas: the outer state of the round's participants, the lineage (acco.elastic)
-            "elastic": self.lane_work.state_dict() if self._parts.options.local.membership is not None else None,
+            "elastic": self.lane_work.state_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
@@ -462,8 +460,7 @@ class LocalLoop(Loop):
             entry["handed_over"] = 0 if handed is None else handed[number].nbytes
             entry["global_values"] = self.global_values[number].nbytes
             entry["outer_residual"] = 0 if self.residuals is None else self.residuals[number].nbytes
-            if self._parts.options.local.membership is not None:  # the outer state of the round's participants
-                entry.update(self.lane_work.buffer_bytes(number))
+            entry.update(self.lane_work.buffer_bytes(number))  # elastic replicas: the round's outer state
             entry["common_term"] = 0 if self.common_terms is None else self.common_terms[number].nbytes
         return sizes
 
@@ -524,6 +521,19 @@ class OuterRunner(LaneWork):
         # Who holds this rank's residual: its rank and the number of ranks of the whole mesh.
         self.place = [self._mesh_comm.rank, self._mesh_comm.world_size]
         self.ends_job = True  # finish()'s rounds end the job on every replica (elastic ones may not)
+
+    @property
+    def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
+        """Each param group's outer optimizer on this rank's snapshot shard (None: owns nothing)."""
+        return list(self._outer)
+
+    def state_dict(self) -> None:
+        """Nothing beyond the loop's own state (the snapshot shards are the groups' masters)."""
+        return None
+
+    def buffer_bytes(self, number: int) -> dict[str, int]:
+        """Nothing beyond the loop's and the groups' buffers."""
+        return {}
 
     @property
     def replica(self) -> int:
