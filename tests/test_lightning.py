@@ -350,6 +350,13 @@ def test_refusals_before_any_collective() -> None:
         AccoStrategy(max_grad_norm=1.0)
     with pytest.raises(ValueError, match="pacing"):
         AccoStrategy(mode="local", pacing="speed")
+    # Fabric's strategy refuses a GradScaler the same way, when Fabric hands it the plugin.
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+
+    from acco.integrations.fabric import AccoFabricStrategy
+
+    with pytest.raises(ValueError, match="16-mixed.*bf16-mixed"):
+        AccoFabricStrategy().precision = FabricMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 
 
 # --------------------------------------------------------------------------- Fabric

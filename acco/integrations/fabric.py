@@ -59,7 +59,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("acco.integrations.fabric needs lightning: pip install 'acco[lightning]'") from error
 
 from acco import AccoOptimizer, Mode, RoundKind
-from acco.integrations.schedules import acco_from_optimizer, check_acco_kwargs
+from acco.integrations.schedules import acco_from_optimizer, check_acco_kwargs, check_precision
 from acco.options import LOCKSTEP, parse_enum
 
 __all__ = ["AccoFabricStrategy"]
@@ -133,7 +133,7 @@ class AccoFabricStrategy(DDPStrategy):
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         if precision is not None:
-            _check_precision(precision)
+            check_precision(precision, _ACCEPTED_PRECISION)
         self._precision = precision
 
     @property
@@ -199,18 +199,4 @@ class AccoFabricStrategy(DDPStrategy):
         if self._acco is None:
             raise RuntimeError("AccoFabricStrategy: set the optimizer up first (fabric.setup_optimizers)")
         return self._acco
-
-
-def _check_precision(plugin: Any) -> None:
-    name = getattr(plugin, "precision", type(plugin).__name__)
-    if getattr(plugin, "scaler", None) is not None:
-        raise ValueError(
-            f"Invalid precision {name!r} for acco: its GradScaler unscales each rank's p.grad to clip, while acco's "
-            "gradients live in its accumulator and are unscaled and clipped on its comm lane; use 'bf16-mixed'"
-        )
-    if type(plugin) not in _ACCEPTED_PRECISION:
-        raise ValueError(
-            f"Invalid precision plugin {type(plugin).__qualname__} ({name!r}) for acco: it accepts '32-true', "
-            "'64-true', 'bf16-mixed', 'bf16-true' and '16-true'"
-        )
 

@@ -84,8 +84,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
-from acco.integrations.schedules import CommitScheduler
-from acco.options import LOCKSTEP, Options, parse_enum
+from acco.integrations.schedules import CommitScheduler, require_lockstep
+from acco.options import Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
 
@@ -201,14 +201,11 @@ class AccoTrainer(Trainer):
                 "lands each round once it has, so no replica waits"
             )
         if self.acco_mode is Mode.LOCAL:
-            pacing = self.acco_kwargs.setdefault("pacing", LOCKSTEP)
-            if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
-                raise ValueError(
-                    f"Invalid acco_kwargs pacing={pacing!r}: the Trainer's logging, evaluation, saving and epoch starts "
-                    "are collectives at step counts, which replicas taking different numbers of inner steps would reach "
-                    "at different times; AccoTrainer runs its replicas in lockstep (pacing='lockstep', its default). "
-                    "Replicas of different speeds: a hand-written loop (docs/loops.md, \"Replicas of different speeds\")"
-                )
+            require_lockstep(self.acco_kwargs, (
+                "Invalid acco_kwargs pacing={pacing!r}: the Trainer's logging, evaluation, saving and epoch starts "
+                "are collectives at step counts, which replicas taking different numbers of inner steps would reach "
+                "at different times; AccoTrainer runs its replicas in lockstep (pacing='lockstep', its default). "
+                "Replicas of different speeds: a hand-written loop (docs/loops.md, \"Replicas of different speeds\")"))
         _check_acco_options(self.acco_mode, self.acco_kwargs)
         if bound.get("args") is not None:
             _check_training_args(bound["args"], self.acco_mode)

@@ -69,8 +69,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import AccoOptimizer, Mode
 from acco import checkpoint as checkpoint_module
-from acco.integrations.schedules import CommitScheduler, acco_from_optimizer, check_acco_kwargs
-from acco.options import LOCKSTEP, parse_enum
+from acco.integrations.schedules import (CommitScheduler, acco_from_optimizer, check_acco_kwargs, check_precision,
+                                         require_lockstep)
+from acco.options import parse_enum
 
 __all__ = ["AccoStrategy", "LightningAccoOptimizer"]
 
@@ -166,13 +167,10 @@ class AccoStrategy(DDPStrategy):
         if self.mode is Mode.LOCAL:
             # Validation, checkpoints and epoch ends are collectives at step counts: every
             # replica must take the same steps per outer round.
-            pacing = self.acco_kwargs.setdefault("pacing", LOCKSTEP)
-            if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
-                raise ValueError(
-                    f"Invalid pacing={pacing!r} for AccoStrategy: the Trainer's validation, checkpoints and epoch "
-                    "ends are collectives at step counts, which replicas paced apart never all reach; use "
-                    "pacing='lockstep' (the default here) or sync_delay='auto' to keep replicas from waiting"
-                )
+            require_lockstep(self.acco_kwargs, (
+                "Invalid pacing={pacing!r} for AccoStrategy: the Trainer's validation, checkpoints and epoch "
+                "ends are collectives at step counts, which replicas paced apart never all reach; use "
+                "pacing='lockstep' (the default here) or sync_delay='auto' to keep replicas from waiting"))
         if mesh is not None and not (
             isinstance(mesh, (tuple, list)) and len(mesh) == 2 and all(isinstance(n, int) and n >= 1 for n in mesh)
         ):
@@ -203,7 +201,7 @@ class AccoStrategy(DDPStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # The Trainer sets the plugin while it is built: "16-mixed" fails there.
         if precision_plugin is not None:
-            check_precision(precision_plugin)
+            check_precision(precision_plugin, _ACCEPTED_PRECISION)
         self._precision_plugin = precision_plugin
 
     @property
@@ -477,27 +475,6 @@ class _AccoLifecycle(Callback):
 # ------------------------------------------------------------------------------ checks
 
 
-def check_precision(plugin: Any) -> None:
-    """``ValueError`` for a precision plugin acco cannot honour.
-
-    Raises:
-        ValueError: a GradScaler (``16-mixed``) or a plugin other than 32/64-bit,
-            ``bf16-mixed`` and the ``-true`` half types.
-    """
-    name = getattr(plugin, "precision", type(plugin).__name__)
-    if getattr(plugin, "scaler", None) is not None:
-        raise ValueError(
-            f"Invalid precision {name!r} for acco: its GradScaler unscales each rank's p.grad to clip and skips "
-            "steps on overflow, while acco's gradients live in its accumulator and are unscaled and clipped on its "
-            "comm lane; use precision='bf16-mixed' (no scaler needed)"
-        )
-    if type(plugin) not in _ACCEPTED_PRECISION:
-        raise ValueError(
-            f"Invalid precision plugin {type(plugin).__qualname__} ({name!r}) for acco: it accepts '32-true', "
-            "'64-true', 'bf16-mixed', 'bf16-true' and '16-true'"
-        )
-
-
 def check_trainer(trainer: pl.Trainer) -> None:
     """``ValueError`` for a Trainer setting acco cannot honour (before the process group)."""
     algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm))
@@ -508,7 +485,7 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "gradients in shards on its comm lane); clip by norm (gradient_clip_algorithm='norm'), which acco "
             "applies to the global averaged gradient"
         )
-    check_precision(trainer.precision_plugin)
+    check_precision(trainer.precision_plugin, _ACCEPTED_PRECISION)
 
 
 def _copy_parameters(module: torch.nn.Module, values: Mapping[str, Tensor]) -> None:

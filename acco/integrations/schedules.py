@@ -8,6 +8,8 @@
   hyper-parameters of a plain torch optimizer a user built (Lightning's
   ``configure_optimizers``, a Fabric script), sharing those groups so that schedules built on
   the user's optimizer drive acco's.
+- :func:`check_acco_kwargs`, :func:`check_precision`, :func:`require_lockstep`: the checks a
+  strategy or trainer runs before any collective.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch
 from torch import nn
 
 from acco import AccoOptimizer, Mode
-from acco.options import Options
+from acco.options import LOCKSTEP, Options
 
-__all__ = ["CommitScheduler", "acco_from_optimizer", "check_acco_kwargs"]
+__all__ = ["CommitScheduler", "acco_from_optimizer", "check_acco_kwargs", "check_precision", "require_lockstep"]
 
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
 # AccoOptimizer keywords the strategy sets itself: the mode, the clip (gradient_clip_val), the
@@ -151,3 +153,39 @@ def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, A
     given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
     Options.check(**{name: v for name, v in {**given, **kwargs, "mode": mode}.items() if name in checked})
     return kwargs
+
+
+def check_precision(plugin: Any, accepted: tuple[type, ...]) -> None:
+    """``ValueError`` for a precision plugin acco cannot honour; ``accepted``: the framework's
+    plugin classes whose work acco leaves intact (Lightning's Trainer and Fabric each have
+    theirs).
+
+    Raises:
+        ValueError: a GradScaler (``16-mixed``) or a plugin other than 32/64-bit,
+            ``bf16-mixed`` and the ``-true`` half types.
+    """
+    name = getattr(plugin, "precision", type(plugin).__name__)
+    if getattr(plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"Invalid precision {name!r} for acco: its GradScaler unscales each rank's p.grad to clip and skips "
+            "steps on overflow, while acco's gradients live in its accumulator and are unscaled and clipped on its "
+            "comm lane; use precision='bf16-mixed' (no scaler needed)"
+        )
+    if type(plugin) not in accepted:
+        raise ValueError(
+            f"Invalid precision plugin {type(plugin).__qualname__} ({name!r}) for acco: it accepts '32-true', "
+            "'64-true', 'bf16-mixed', 'bf16-true' and '16-true'"
+        )
+
+
+def require_lockstep(acco_kwargs: dict[str, Any], refusal: str) -> None:
+    """``mode="local"`` under a framework whose loop runs collectives at step counts (logging,
+    evaluation, checkpoints, epoch ends): ``pacing`` in lockstep, the default set here.
+
+    Raises:
+        ValueError: ``refusal`` formatted with ``pacing``, for any pacing that gives replicas
+            different numbers of inner steps.
+    """
+    pacing = acco_kwargs.setdefault("pacing", LOCKSTEP)
+    if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
+        raise ValueError(refusal.format(pacing=pacing))
