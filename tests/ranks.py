@@ -122,7 +122,7 @@ class RankPool:
     """``world_size`` spawned processes in one gloo group, running test functions."""
 
     def __init__(self, world_size: int) -> None:
-        context = _fork_server()  # new processes that skip the seconds of importing torch
+        context = fork_server()  # new processes that skip the seconds of importing torch
         port = free_port()
         self.world_size = world_size
         self._outbox = context.Queue()
@@ -190,7 +190,7 @@ def _child(fn: Callable[..., Any], args: tuple, environment: dict[str, str], out
             dist.destroy_process_group()
 
 
-def _fork_server() -> mp.context.BaseContext:
+def fork_server() -> mp.context.BaseContext:
     """A fork server that has imported transformers once: each process forked from it is
     new (no accelerator state, no process group) but skips the seconds of imports."""
     context = mp.get_context("forkserver")
@@ -209,7 +209,7 @@ def run_fresh(fn: Callable[..., Any], *args: Any, world_size: int = 2, torchrun:
     """
     if not torchrun and world_size != 1:
         raise ValueError(f"torchrun=False launches one process, got world_size={world_size}")
-    context = _fork_server()
+    context = fork_server()
     outbox = context.Queue()
     port = str(free_port())
     processes = []

@@ -34,7 +34,7 @@ pytest.importorskip("torchft")
 
 from acco import AccoOptimizer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
-from tests.ranks import _fork_server  # noqa: E402
+from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
 
@@ -104,7 +104,7 @@ def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = N
     """Both replica groups in processes of their own, an in-process lighthouse: each one's
     (parameters, [(participants, dropped)] per round, outer rounds)."""
     server = lighthouse()
-    context = _fork_server()  # new processes that skip the seconds of importing torch
+    context = fork_server()  # new processes that skip the seconds of importing torch
     results = context.Queue()
     processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at, miss_at,
                                                             checkpoint)) for i in range(2)]  # fmt: skip
