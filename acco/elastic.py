@@ -160,8 +160,16 @@ class TorchFT:
         heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100),
         finish_timeout: datetime.timedelta | None = None,
     ) -> TorchFT:
-        """A replica group of one process: its own store, torchft's gloo process group and a
+        """This rank's membership of its replica group: torchft's gloo process group and a
         Manager reaching the lighthouse at ``lighthouse`` (default: ``$TORCHFT_LIGHTHOUSE``).
+
+        A replica group of one process needs no ``torch.distributed``. In a group of several
+        ranks (FSDP2 or tensor parallelism inside: the group's own ``torchrun`` job, its default
+        process group initialised) every rank calls it: rank 0 opens a fresh store for the
+        group's Managers (torchft's model: one per rank, sharing the group's store; rank 0's
+        talks to the lighthouse) and tells the others where it is (a broadcast on the default
+        group); torchft's process group then pairs each rank with the equal ranks of the other
+        groups, and a heal moves each rank's own blocks.
 
         Args:
             replica_id: this replica group's name (torchft adds a fresh suffix per start).
@@ -175,22 +183,30 @@ class TorchFT:
             hostname: this machine's address as the other groups reach it (default: its name).
             finish_timeout: see the class (default: ``quorum_timeout``).
         """
+        import torch.distributed as dist
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         host = hostname or socket.gethostname()
-        store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
+        rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False) if rank == 0 else None
+        if ranks > 1:  # a fresh store at every start (a restarted group's ranks never read a stale address)
+            where = [(host, store.port) if store is not None else None]
+            dist.broadcast_object_list(where, src=0)
+            host, port = where[0]
+        else:
+            port = store.port
         group = ProcessGroupGloo(timeout=timeout)
         manager = Manager(
             pg=group, load_state_dict=None, state_dict=None, min_replica_size=min_replicas, use_async_quorum=False,
-            replica_id=replica_id, store_addr=host, store_port=store.port, rank=0, world_size=1,
+            replica_id=replica_id, store_addr=host, store_port=port, rank=rank, world_size=ranks,
             lighthouse_addr=lighthouse, hostname=host, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
         )  # fmt: skip
         membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout,
                          finish_timeout=finish_timeout)  # fmt: skip
         membership.quorum_timeout = quorum_timeout
-        membership._owned = [manager, store]
+        membership._owned = [manager] + ([store] if store is not None else [])
         return membership
 
     @property
@@ -500,21 +516,18 @@ class ElasticRunner(LaneWork):
 
     def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:
         """Every participant's hand-over and non-finite flag, and what only elastic rounds need
-        of each (:class:`_Peer`), in one all-reduce."""
-        own, fields, device = round_.hand_over, 9, self._groups[0].device
-        if own.finishing and self._finishing_since is None:
-            self._finishing_since = time.monotonic()
-        gives_up = own.finishing and time.monotonic() - self._finishing_since > self._membership.finish_timeout
+        of each (:class:`_Peer`), in one all-reduce (each rank with the equal ranks of the other
+        groups, every rank of a group saying what its group agreed: the same on all of them)."""
+        own, nonfinite, gives_up = self._group_hand_over(round_)
+        fields, device = 9, self._groups[0].device
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
              gives_up], dtype=torch.float64)  # fmt: skip
-        flags[0] = self._nonfinite_flag(round_.params)
+        flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
-        if flags[0]:  # some sum was not finite: an exact scan (a sum may overflow on finite values)
-            flags[0] = self._confirm_nonfinite(round_.params, quorum.collectives)
         rows = flags[1:].view(quorum.replicas, fields).tolist()
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
@@ -523,6 +536,37 @@ class ElasticRunner(LaneWork):
         )  # fmt: skip
         peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8])) for row in rows]
         return int(flags[0].item()), report, peers
+
+    def _group_hand_over(self, round_: Any) -> tuple[HandOver, bool, bool]:
+        """What this replica group hands over, agreed by its ranks (one all-reduce over the
+        group's ranks when it has several, as the fixed mesh's exchange counts a replica group):
+        its first rank's steps and weight, its slowest rank's seconds per step, a stop or a
+        finish any rank asks for; whether any rank holds NaN or inf (exact); whether any rank
+        has waited ``finish_timeout`` in ``finish()``."""
+        own = round_.hand_over
+        if own.finishing and self._finishing_since is None:
+            self._finishing_since = time.monotonic()
+        gives_up = own.finishing and time.monotonic() - self._finishing_since > self._membership.finish_timeout
+        quick = self._nonfinite_flag(round_.params)
+        if self._replica_size == 1:
+            return own, bool(quick.item()) and self._exact_nonfinite(round_.params), gives_up
+        fields, ranks, rank = 6, self._mesh_comm.world_size, self._mesh_comm.rank
+        flags = torch.zeros(1 + fields * ranks, dtype=torch.float64, device=quick.device)
+        flags[1 + fields * rank : 1 + fields * (rank + 1)] = torch.tensor(
+            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, gives_up], dtype=torch.float64)
+        flags[0] = quick
+        self._mesh_comm.all_reduce_sum_(flags)
+        flags = flags.cpu()
+        rows = flags[1:].view(ranks, fields).tolist()
+        agreed = HandOver(int(rows[0][0]), rows[0][1], max(row[2] for row in rows), any(row[3] for row in rows),
+                          any(row[4] for row in rows))  # fmt: skip
+        nonfinite = bool(flags[0]) and self._confirm_nonfinite(round_.params) > 0  # over the group's ranks
+        return agreed, nonfinite, any(row[5] for row in rows)
+
+    @staticmethod
+    def _exact_nonfinite(params: Sequence[Tensor]) -> bool:
+        """Whether some element really is NaN or inf (a sum may overflow on finite values)."""
+        return bool(torch.stack([(~torch.isfinite(t)).any() for t in params]).any().item())
 
     def _heal_by_content(self, quorum: Quorum, peers: list[_Peer], followers: list[int], round_: Any) -> None:
         """The newest lineage's global values to the participants of older ones (sent by the

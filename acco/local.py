@@ -37,7 +37,7 @@ from torch.profiler import record_function
 
 from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
-from acco.mesh import dtensor_like, is_dtensor
+from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.legs import QuantizedLegs
@@ -225,7 +225,8 @@ class LocalLoop(Loop):
         return {
             "global_values": [values.detach().cpu().clone() for values in self.global_values],
             "inner": [{"param_groups": copy.deepcopy(s["param_groups"]),
-                       "state": {i: {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else copy.deepcopy(v)
+                       "state": {i: {k: local_tensor(v).detach().to("cpu", copy=True) if isinstance(v, Tensor)
+                                     else copy.deepcopy(v)
                                      for k, v in e.items()} for i, e in s["state"].items()}}
                       for s in self.inner.state_dicts()],
             "clock": {"inner_steps": self.clock.inner_steps, "outer_rounds": self.clock.outer_rounds,
@@ -756,8 +757,16 @@ class InnerSteps:
         return [optimizer.state_dict() for optimizer in self.optimizers]
 
     def load_state_dicts(self, saved: Sequence[dict[str, Any]]) -> None:
+        """The inner optimizers' state dicts; a DTensor parameter's state may come as its local
+        blocks (a heal moves each rank's own), which become DTensors like the parameter."""
         for optimizer, state in zip(self.optimizers, saved):
             optimizer.load_state_dict(state)
+            for param, entry in optimizer.state.items():
+                if not is_dtensor(param):
+                    continue
+                for key, value in entry.items():
+                    if isinstance(value, Tensor) and not is_dtensor(value) and value.shape == local_tensor(param).shape:
+                        entry[key] = dtensor_like(value, param)
 
 
 @dataclass

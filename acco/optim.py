@@ -204,7 +204,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             its last hand-over), ``"equal"`` (once each) or ``"normalized"`` (FedNova: each over
             its inner steps, times their weighted mean).
         membership: ``local`` only: an :class:`acco.elastic.TorchFT`: each replica group is its
-            own job (``process_group=None``), torchft decides who takes part in each outer round,
+            own job (``process_group=None``; FSDP2 or TP inside a group of several ranks: the
+            one-rank ``mesh["replicate"]`` group), torchft decides who takes part in each outer round,
             a lost replica group's peers go on without it and a restarted one heals from a peer
             (docs/elastic.md). Needs ``sync_delay=0``, ``pacing`` ``"speed"`` or ``"lockstep"``,
             ``outer_bits`` below 32.
@@ -289,12 +290,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         module = params if isinstance(params, nn.Module) else module
         inner = InnerMesh([p for g in groups for p in g["params"]], module, self._comm)
         inner.check(groups, param_dtype)
-        if options.local is not None and options.local.membership is not None and (self.world_size > 1 or inner.active):
+        if options.local is not None and options.local.membership is not None and self.world_size > 1:
             raise ValueError(
-                f"membership= with a process group of {self.world_size} ranks"
-                + (" and DTensor parameters" if inner.active else "")
-                + ": each replica group is its own job of one rank (process_group=None, whole parameters); torchft's "
-                "process group connects the replica groups"
+                f"membership= with a process group of {self.world_size} ranks: torchft's process group connects the "
+                "replica groups, and acco's own group is this rank alone: process_group=None in a replica group of one "
+                "process; with FSDP2 or tensor parallelism inside a group of several, mesh['replicate'].get_group() of "
+                "a mesh whose replicate dimension is 1 (docs/elastic.md)"
             )
         self._sealed = False
         super().__init__(groups, base_defaults)

@@ -107,11 +107,11 @@ class ReplicaReport:
         number of replicas; all 0: nobody trained since its hand-over); None: every replica
         counts once, as equal weights and step counts give."""
         count = len(self.weights)
+        total = sum(self.weights)
+        if not any(self.steps) or total == 0 and weighting is not Weighting.EQUAL:
+            return [0.0] * count  # (a join or a finish with nothing to hand over: no outer step, no momentum)
         if weighting is Weighting.EQUAL or len(set(self.weights)) == 1 and len(set(self.steps)) == 1:
             return None
-        total = sum(self.weights)
-        if total == 0:
-            return [0.0] * count
         shares = [weight / total for weight in self.weights]
         if weighting is Weighting.TOKENS:
             return [count * share for share in shares]

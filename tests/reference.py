@@ -256,7 +256,8 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
       with n_m the weights replica m's steps since its last hand-over trained on and N their
       sum, f_m = R n_m / N ("tokens"), 1 ("equal", or every n_m and step count equal), or
       R (n_m / N) tau / tau_m with tau_m its steps and tau = sum_m (n_m / N) tau_m
-      ("normalized", FedNova). With N = 0 the round leaves x as it is.
+      ("normalized", FedNova). With N = 0, or no replica having stepped since its hand-over,
+      the round leaves x as it is (no outer step: the momentum does not move it either).
     At the end a round in flight lands, then a last one (landing without "keep") over any
     inner step since (``paced``: always), so every replica ends at x.
 
@@ -331,11 +332,11 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         weights, counts = [w for w, _ in since], [c for _, c in since]
         for entry in since:
             entry[0], entry[1] = 0.0, 0
+        total = sum(weights)
+        if not any(counts) or total == 0 and weighting != "equal":
+            return [0.0] * len(weights)  # nobody trained since its hand-over: x stays
         if weighting == "equal" or (len(set(weights)) == 1 and len(set(counts)) == 1):
             return None
-        total = sum(weights)
-        if total == 0:
-            return [0.0] * len(weights)
         shares = [w / total for w in weights]
         if weighting == "tokens":
             return [len(weights) * p for p in shares]

@@ -1,0 +1,121 @@
+"""Elastic replica groups of several ranks: 2 groups of 2 gloo processes each, FSDP2 or tensor
+parallelism inside, torchft's quorum across (an in-process lighthouse).
+
+- Without failures the elastic rounds are the fixed 2 x 2 mesh's (``mesh=("replicate", "shard")``,
+  acco across ``replicate``) at the same schedule: the same final parameters within 1e-5.
+- A rank of one group killed (SIGKILL) at a random point: examples/elastic_local.py restarts its
+  whole group, which heals each rank's own blocks from the equal rank of the other group; every
+  group ends with the same global values (tests/test_elastic.py has the one-rank form's ten runs;
+  benchmarks/elastic_stress.py ``--nproc-per-replica 2`` has ten of these).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchft")
+
+from acco import AccoOptimizer  # noqa: E402
+from tests.helpers import assert_params_close, assert_params_equal  # noqa: E402
+from tests.ranks import free_port, fork_server, run_fresh  # noqa: E402
+from tests.reference import OPTIMIZERS, loss_fn  # noqa: E402
+from tests.test_elastic import lighthouse  # noqa: E402
+from tests.test_mesh import S, build, data_of, full_params  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS, H, MAX_NORM = 9, 3, 0.5
+
+
+def train(inner: str, membership=None) -> dict:  # type: ignore[no-untyped-def]
+    """One rank of a 2 x 2 layout: acco across replica groups (``membership``: torchft's, each
+    group its own job with ``replicate`` of size 1; None: the fixed mesh's 2 replicas), ``inner``
+    inside; replica g's rank r feeds mesh rank g * S + r's micro-batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    elastic = membership is not None
+    shape = (1, S) if elastic else (2, S)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = build(inner, mesh)
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", membership=membership,
+                        sync_every=H, sync_delay=0, pacing="lockstep", max_grad_norm=MAX_NORM,
+                        timeout=datetime.timedelta(seconds=90), **hp)  # fmt: skip
+    rank = int(os.environ["ACCO_TEST_GROUP"]) * S + dist.get_rank() if elastic else dist.get_rank()
+    for t in range(STEPS):
+        for i in range(2):
+            x, y, _ = data_of(inner, t, rank, i, False)
+            loss_fn(model, x, y).backward()
+            opt.accumulate()
+        opt.step()
+    opt.finish()
+    rounds = [(s.participants, s.dropped) for s in opt.round_stats]
+    return {"params": full_params(model), "rounds": rounds, "outer_rounds": opt.outer_rounds}
+
+
+def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, results) -> None:  # type: ignore[no-untyped-def]
+    """Rank ``rank`` of replica group ``group``: the group's own process group (its own port, as
+    its own torchrun job would have), torchft's membership across groups."""
+    from acco.elastic import TorchFT
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(S), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "ACCO_TEST_GROUP": str(group)})  # fmt: skip
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        membership = TorchFT.connect(f"group-{group}", lighthouse=address, start_with=2, hostname="localhost",
+                                     timeout=datetime.timedelta(seconds=10),
+                                     quorum_timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        out = train(inner, membership)
+        results.put((group, rank, {k: (v.numpy().tobytes(), tuple(v.shape)) for k, v in out["params"].items()},
+                     out["rounds"]))  # fmt: skip
+        membership.close()
+        dist.destroy_process_group()
+    except BaseException as error:  # the test reports it
+        results.put((group, rank, repr(error), None))
+        raise
+
+
+def run_elastic(inner: str) -> dict[tuple[int, int], tuple]:
+    """2 replica groups of S ranks, each group with its own process group: (group, rank) ->
+    (whole parameters, rounds)."""
+    server = lighthouse()
+    context = fork_server()
+    results = context.Queue()
+    ports = [free_port() for _ in range(2)]
+    processes = [context.Process(target=elastic_rank, args=(inner, server.address(), g, ports[g], r, results))
+                 for g in range(2) for r in range(S)]  # fmt: skip
+    try:
+        for process in processes:
+            process.start()
+        outcome = {(g, r): rest for g, r, *rest in (results.get(timeout=200) for _ in processes)}
+    finally:
+        for process in processes:
+            process.join(timeout=20)
+            if process.is_alive():
+                process.kill()
+        server.shutdown()
+    for key, (params, _) in outcome.items():
+        assert not isinstance(params, str), (key, params)
+    return {key: ({k: torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for k, (b, shape) in p.items()},
+                  rounds) for key, (p, rounds) in outcome.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("inner", ["fsdp", "tp"])
+def test_elastic_groups_of_two_ranks_are_the_fixed_mesh_recurrence(inner) -> None:
+    """Elastic rounds with 2 groups of 2 ranks equal the fixed 2 x 2 mesh's at the same schedule
+    (4-bit legs, error feedback, AdamW inside, SGD-Nesterov outside) within 1e-5; every rank of
+    every group ends with the same whole parameters."""
+    fixed = run_fresh(train, inner, world_size=4, timeout=200)
+    elastic = run_elastic(inner)
+    for key, (params, rounds) in elastic.items():
+        joined = next(n for n, (participants, dropped) in enumerate(rounds) if participants == 2 and not dropped)
+        assert all(participants == 2 and not dropped for participants, dropped in rounds[joined:]), (key, rounds)
+        assert len(rounds) - joined == 1 + STEPS // H + 1, (key, rounds)  # the join, a round per H steps, finish()
+        assert_params_equal(params, elastic[(0, 0)][0])
+        assert_params_close(params, fixed[0]["params"], rtol=0, atol=1e-5)
