@@ -8,10 +8,16 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
   SIGSTOP for 6 s a few rounds in, then SIGCONT;
 - ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole run;
 - ``late-kill``: 2 groups, ``--steps 400`` with no step sleep, replica 1 killed (SIGKILL) three
-  rounds in: the survivor may finish before it has restarted.
+  rounds in: the survivor may finish before it has restarted;
+- ``rank-kill``: 2 groups of 2 ranks (``--nproc-per-replica 2``, FSDP2 inside; ``--inner tp`` after
+  the options for tensor parallelism), a random rank of group 1 killed (SIGKILL) at a random point
+  (run n: random.Random(n)): the launcher restarts the whole group, which heals from group 0.
+  Each run is also checked against an uninterrupted run of the same job (run once first): group 1
+  restarted, and the held-out loss within 2% of the uninterrupted one.
 
     pip install -e '.[ft]'
-    python benchmarks/elastic_stress.py --runs 20                       # every scenario, 20 runs each
+    python benchmarks/elastic_stress.py --scenarios pause hogs late-kill --runs 20
+    python benchmarks/elastic_stress.py --scenarios rank-kill --runs 10 --parallel 2   # groups of 2 ranks
     python benchmarks/elastic_stress.py --scenarios pause --runs 4 --parallel 2
 
 Per run it prints the exit code, the digests, the rounds that landed with every live group and
@@ -25,6 +31,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -41,7 +48,10 @@ SCENARIOS = {
     "pause": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "hogs": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "late-kill": ["--replicas", "2", "--steps", "400"],
+    "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "200",
+                  "--step-seconds", "0.02", "--sync-every", "10"],
 }
+LOSS_TOLERANCE = 0.02  # rank-kill: the held-out loss within 2% of the uninterrupted run's
 
 
 def records(directory: Path, index: int) -> list[dict[str, Any]]:
@@ -65,8 +75,9 @@ def hog(stop: Any) -> None:
         sum(i * i for i in range(10_000))
 
 
-def run_once(scenario: str, directory: Path, extra: list[str]) -> dict[str, Any]:
-    """One launch of the example under ``scenario``; what :func:`check` reads."""
+def run_once(scenario: str, directory: Path, extra: list[str], run: int | None = None) -> dict[str, Any]:
+    """One launch of the example under ``scenario`` (``run``: its number, seeding where a kill
+    lands; None: the scenario's job without its event, the uninterrupted reference)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     command = [sys.executable, str(EXAMPLE), *SCENARIOS[scenario], "--log-dir", str(directory), *extra]
     out = open(directory.with_suffix(".out"), "w")
@@ -79,8 +90,11 @@ def run_once(scenario: str, directory: Path, extra: list[str]) -> dict[str, Any]
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     event = None
+    rng = random.Random(run)
     try:
-        if scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
+        if run is None:
+            pass
+        elif scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
             pid = int((directory / "replica-2.pid").read_text().split()[0])
             os.kill(pid, signal.SIGSTOP)
             time.sleep(6.0)
@@ -90,6 +104,12 @@ def run_once(scenario: str, directory: Path, extra: list[str]) -> dict[str, Any]
             for pid in (directory / "replica-1.pid").read_text().split():
                 os.kill(int(pid), signal.SIGKILL)
             event = "killed replica 1"
+        elif scenario == "rank-kill" and wait_for_rounds(directory, 1, rng.randint(2, 8), process):
+            time.sleep(rng.uniform(0.0, 1.0))
+            pids = (directory / "replica-1.pid").read_text().split()
+            victim = rng.randrange(len(pids))
+            os.kill(int(pids[victim]), signal.SIGKILL)
+            event = f"killed rank {victim} of replica 1"
         code = process.wait(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
@@ -102,12 +122,20 @@ def run_once(scenario: str, directory: Path, extra: list[str]) -> dict[str, Any]
     finals = {i: (directory / f"replica-{i}.final").read_text() for i in range(replicas)
               if (directory / f"replica-{i}.final").exists()}  # fmt: skip
     rounds = {i: [r for r in records(directory, i) if not r.get("final")] for i in range(replicas)}
+    finished = [records(directory, i)[-1] for i in range(replicas) if records(directory, i) and records(directory, i)[-1].get("final")]
     return {"scenario": scenario, "exit": code, "event": event, "seconds": round(time.monotonic() - started, 1),
+            "eval_loss": finished[0]["eval_loss"] if finished else None,
+            "restarts": {i: len({r["pid"] for r in rs}) - 1 for i, rs in rounds.items()},
             "finals": finals, "identical": len(set(finals.values())) == 1 and bool(finals),
             "rounds": {i: len(r) for i, r in rounds.items()},
             "partial_rounds": {i: sum(1 for r in rs if not r["dropped"] and r["participants"] < replicas)
                                for i, rs in rounds.items()},
             "content_heals": {i: sum(1 for r in rs if r.get("content_heal")) for i, rs in rounds.items()}}  # fmt: skip
+
+
+def passed(result: dict[str, Any]) -> bool:
+    """Exit 0 and identical groups (rank-kill: also restarted, and the loss within 2%)."""
+    return result["exit"] == 0 and result["identical"] and result.get("restarted", True) and result.get("loss_within", True)
 
 
 def main() -> None:
@@ -122,6 +150,11 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for scenario in args.scenarios:
         parallel = 1 if scenario == "hogs" else args.parallel
+        reference = None
+        if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss
+            (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
+            reference = run_once(scenario, base / f"{scenario}-reference", extra)
+            print(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}", flush=True)
         for first in range(0, args.runs, parallel):
             batch = range(first, min(args.runs, first + parallel))
             outcome: dict[int, dict[str, Any]] = {}
@@ -129,7 +162,7 @@ def main() -> None:
             def one(n: int) -> None:
                 directory = base / f"{scenario}-{n}"
                 directory.mkdir(parents=True, exist_ok=True)
-                outcome[n] = run_once(scenario, directory, extra)
+                outcome[n] = run_once(scenario, directory, extra, n)
 
             threads = [threading.Thread(target=one, args=(n,)) for n in batch]
             for thread in threads:
@@ -138,17 +171,25 @@ def main() -> None:
                 thread.join()
             for n in batch:
                 result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
+                if reference is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
+                    result["reference_loss"] = reference["eval_loss"]
+                    result["restarted"] = result["restarts"].get(1, 0) >= 1
+                    result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
+                                             abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
                 results.append(result)
-                ok = result["exit"] == 0 and result["identical"]
+                ok = passed(result)
                 print(f"{scenario:9s} run {n:2d}: {'ok  ' if ok else 'FAIL'} exit {result['exit']} | "
                       f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
                       f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
-                      f"content heals {result['content_heals']} | {result['seconds']} s", flush=True)
+                      f"content heals {result['content_heals']} | {result['seconds']} s"
+                      + (f" | {result['event']}, restarted {result['restarted']}, held-out loss {result['eval_loss']} "
+                         f"(uninterrupted {result['reference_loss']})" if reference is not None else ""), flush=True)  # fmt: skip
     print()
     for scenario in args.scenarios:
         mine = [r for r in results if r["scenario"] == scenario]
-        good = sum(r["exit"] == 0 and r["identical"] for r in mine)
-        print(f"{scenario}: {good} of {len(mine)} runs with identical groups and exit 0")
+        good = sum(passed(r) for r in mine)
+        print(f"{scenario}: {good} of {len(mine)} runs with identical groups and exit 0"
+              + (", the killed group restarted, held-out loss within 2%" if scenario == "rank-kill" else ""))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "elastic_stress", "runs": results}, indent=1) + "\n")

@@ -10,12 +10,20 @@ Kill replica 1 while it trains and watch it rejoin (the other keeps training mea
 
     kill -9 $(cat runs/elastic/replica-1.pid)
 
-Per replica I, ``DIR/replica-I.pid`` holds the pid of its training process (rewritten at each
-restart), ``DIR/replica-I.jsonl`` one JSON object per outer round (``round``, ``inner_step``,
+Replica groups of several ranks, FSDP2 (or tensor parallelism, ``--inner tp``) inside each:
+
+    python examples/elastic_local.py --replicas 2 --nproc-per-replica 2 --inner fsdp --steps 3000 --log-dir runs/elastic
+
+The launcher starts each group's ranks with torchrun's variables (a port of their own); when one
+of them dies it kills the others and restarts the whole group, whose ranks each heal from the
+equal rank of a peer group.
+
+Per replica I, ``DIR/replica-I.pid`` holds the pids of its training processes (whitespace-separated,
+rank order; rewritten at each restart), ``DIR/replica-I.jsonl`` one JSON object per outer round (``round``, ``inner_step``,
 ``participants``, ``loss``: the mean training loss of this replica since its last record,
-``dropped``, ``healed``, ``seconds``) and a last one with ``final`` and ``eval_loss`` (the
-held-out loss of the final global values), ``DIR/replica-I.final`` the sha256 of its final
-parameters (the same on every replica), ``DIR/replica-I.log`` its output.
+``dropped``, ``content_heal``, ``seconds``, ``time``) and a last one with ``final`` and ``eval_loss``
+(the held-out loss of the final global values), ``DIR/replica-I.final`` the sha256 of its final
+whole parameters (the same on every replica), ``DIR/replica-I.log`` its output (every rank's).
 
 Across machines, start the lighthouse once (``torchft_lighthouse --min_replicas 1 --bind
 [::]:29510``) and one replica group per machine, each with its own ``--replica``:
@@ -23,7 +31,9 @@ Across machines, start the lighthouse once (``torchft_lighthouse --min_replicas 
     python examples/elastic_local.py --replica 0 --replicas 2 --steps 3000 --log-dir runs/elastic \\
         --lighthouse http://lighthouse-host:29510 --hostname this-host
 
-(docs/elastic.md: what a survivor does while a peer is gone, ``min_replicas``, timeouts).
+(a group of several ranks there: ``torchrun --nproc-per-node 2 examples/elastic_local.py --replica 0
+--nproc-per-replica 2 ...``; docs/elastic.md: what a survivor does while a peer is gone,
+``min_replicas``, timeouts).
 """
 
 from __future__ import annotations
@@ -51,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--replicas", type=int, default=2, help="replica groups (the first round waits for all of them)")
     add("--steps", type=int, default=300, help="inner steps per replica (stop_after: the same on every replica)")
     add("--log-dir", required=True, help="pid, jsonl, final and log files per replica")
-    add("--nproc-per-replica", type=int, default=1, help="ranks per replica group (1: one process each)")
+    add("--nproc-per-replica", type=int, default=1, help="ranks per replica group (1: one process each; more: "
+        "--inner inside the group, the launcher restarting the whole group when one of its ranks dies)")
+    add("--inner", choices=["fsdp", "tp"], default="fsdp", help="with --nproc-per-replica above 1: FSDP2 fully_shard "
+        "per block, or tensor parallelism of each block's MLP, inside each replica group")  # fmt: skip
     add("--replica", type=int, default=None, help="run only this replica group (across machines); default: launch all")
     add("--lighthouse", default=None, help="torchft lighthouse address (default: start one here)")
     add("--hostname", default=None, help="this machine's address as the other replica groups reach it")
@@ -82,8 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
         "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.nproc_per_replica != 1:
-        parser.error("--nproc-per-replica: elastic replica groups of one process only (docs/elastic.md, 'Not yet')")
+    if args.nproc_per_replica < 1:
+        parser.error("--nproc-per-replica >= 1")
+    if args.nproc_per_replica > 1 and args.warm_spares:
+        parser.error("--warm-spares: replica groups of one process only (a group of several restarts whole)")
     if args.replicas < 1 or args.steps < 1 or not 1 <= args.min_replicas <= args.replicas:
         parser.error("--replicas, --steps >= 1 and 1 <= --min-replicas <= --replicas")
     return args
@@ -114,20 +129,34 @@ def replica_main(args: argparse.Namespace) -> None:
 
     directory, index = Path(args.log_dir), args.replica
     directory.mkdir(parents=True, exist_ok=True)
+    ranks = args.nproc_per_replica  # a group of several: the launcher set torchrun's variables, and writes the pids
+    rank = int(os.environ.get("RANK", "0")) if ranks > 1 else 0
+    writes = rank == 0  # the group's records, final digest and output
     if os.environ.get(SPARE_ENV):  # a warm spare: torch is loaded; the launcher says when to take over
         line = sys.stdin.readline()
         if not line:
             return
         os.environ[RESTART_ENV] = line.strip()
         print(f"replica {index} | a warm spare takes over", flush=True)
-    (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
+    if ranks == 1:
+        (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
     started = int(os.environ.get(RESTART_ENV, "0"))
     torch.set_num_threads(1)
+    group = None  # acco's own group: this process alone
+    if ranks > 1:
+        import types
+
+        import torch.distributed as dist
+        from train_gpt import shard_inside
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.quorum_timeout + 60))
     corpus = load_corpus(args.data, args.max_bytes)
     train_data, held_out = split_corpus(corpus, args.seq_len)
     eval_set = eval_batches(held_out, args.eval_batches, args.batch_size, args.seq_len, args.seed, torch.device("cpu"))
     torch.manual_seed(args.seed)  # every replica group the same initial model (a fresh job's first round checks)
     model = GPT(GPTConfig(args.n_layer, args.n_embd, args.n_head, args.seq_len))
+    if ranks > 1:  # FSDP2 or TP inside the group, over a mesh whose replicate dimension is this rank alone
+        group = shard_inside(model, (1, ranks), args.inner, types.SimpleNamespace(world_size=ranks, device=torch.device("cpu")))
     # A fresh job's first round waits for every replica group; a restarted one joins whoever is training.
     membership = DiesInRound.connect(
         f"replica-{index}", lighthouse=args.lighthouse, min_replicas=args.min_replicas,
@@ -143,7 +172,7 @@ def replica_main(args: argparse.Namespace) -> None:
     try:
         opt = AccoOptimizer(
             param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local",
-            membership=membership, sync_every=args.sync_every, sync_delay=0, pacing=args.pacing,
+            process_group=group, membership=membership, sync_every=args.sync_every, sync_delay=0, pacing=args.pacing,
             outer_bits=args.outer_bits, lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0,
             timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
         )  # fmt: skip
@@ -154,12 +183,13 @@ def replica_main(args: argparse.Namespace) -> None:
         print(f"replica {index} | came back to a job with no group left: {error}", flush=True)
         membership.close()
         sys.exit(NO_PEER_EXIT_CODE)
-    generator = torch.Generator().manual_seed(args.seed + 1000 * index + 1_000_000 * started)
+    data_rank = rank if args.inner == "fsdp" else 0  # tensor parallelism: a group's ranks share their batches
+    generator = torch.Generator().manual_seed(args.seed + 1000 * index + 1_000_000 * started + 100 * data_rank)
     step_seconds = args.step_seconds
     if args.slow is not None and int(args.slow.split(":")[0]) == index:
         step_seconds *= float(args.slow.split(":")[1])
     schedule = WarmupCosine(20, args.steps)
-    log = open(directory / f"replica-{index}.jsonl", "a")
+    log = open(directory / f"replica-{index}.jsonl", "a") if writes else open(os.devnull, "w")
     clock, seen, losses = time.perf_counter(), 0, []
 
     def record_rounds() -> None:
@@ -174,12 +204,15 @@ def replica_main(args: argparse.Namespace) -> None:
                      "bytes": stats.collective_bytes}  # fmt: skip
             log.write(json.dumps(entry) + "\n")
             log.flush()
+            losses = []
+            if not writes:
+                continue
             print(f"replica {index} | round {entry['round']:4d} | inner step {entry['inner_step']:5d} | "
                   f"{entry['participants']} replica group(s)" + (" | dropped" if stats.dropped else "")
                   + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
-            losses = []
 
-    print(f"replica {index} | joined at round {opt.outer_rounds}, inner step {opt.num_updates}", flush=True)
+    if writes:
+        print(f"replica {index} | joined at round {opt.outer_rounds}, inner step {opt.num_updates}", flush=True)
     record_rounds()
     opt.stop_after(steps=args.steps)
     while not opt.should_stop:
@@ -199,15 +232,19 @@ def replica_main(args: argparse.Namespace) -> None:
     record_rounds()
     final = evaluate(model, eval_set)
     digest = hashlib.sha256()
-    for value in model.state_dict().values():
+    for value in model.state_dict().values():  # whole parameters (a DTensor gathered: collective in the group)
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
         digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
     buffers = {key: sum(entry[key] for entry in opt.buffer_bytes()) for key in opt.buffer_bytes()[0]}
     log.write(json.dumps({"final": True, "eval_loss": final, "inner_step": opt.num_updates, "round": opt.outer_rounds,
                           "buffer_bytes": buffers}) + "\n")  # fmt: skip
     log.close()
-    (directory / f"replica-{index}.final").write_text(digest.hexdigest())
-    print(f"replica {index} | finished at inner step {opt.num_updates} | eval loss {final:.4f}", flush=True)
+    if writes:
+        (directory / f"replica-{index}.final").write_text(digest.hexdigest())
+        print(f"replica {index} | finished at inner step {opt.num_updates} | eval loss {final:.4f}", flush=True)
     membership.close()
+    if ranks > 1:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ launcher
@@ -227,22 +264,33 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         address = f"http://{socket.gethostname()}:{port}"
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "OMP_NUM_THREADS": "1"}
 
-    def start(index: int, count: int | None) -> subprocess.Popen:
-        """Replica group ``index``'s process (``count``: its start; None: a warm spare that waits)."""
+    def start(index: int, count: int | None) -> Group:
+        """Replica group ``index``'s processes (``count``: its start; None: a warm spare that waits):
+        one, or ``--nproc-per-replica`` with torchrun's variables and a fresh port for their
+        process group; their pids in ``replica-I.pid``."""
         command = [sys.executable, str(Path(__file__).resolve()), *argv, "--replica", str(index), "--lighthouse", address]
         output = open(directory / f"replica-{index}.log", "a")
         extra = {SPARE_ENV: "1"} if count is None else {RESTART_ENV: str(count)}
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**env, **extra},
-                                stdin=subprocess.PIPE if count is None else None)  # fmt: skip
+        ranks = args.nproc_per_replica
+        if ranks == 1:
+            return Group([subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={**env, **extra},
+                                           stdin=subprocess.PIPE if count is None else None)])  # fmt: skip
+        port = str(_free_port())
+        group = Group([subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env={
+            **env, **extra, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for rank in range(ranks)])  # fmt: skip
+        (directory / f"replica-{index}.pid").write_text(" ".join(str(p.pid) for p in group.processes))
+        return group
 
-    def restart(index: int, count: int) -> subprocess.Popen:
+    def restart(index: int, count: int) -> Group:
         """The warm spare takes over (torch already loaded: the rejoin is not a cold start), and a new
         spare starts loading."""
         spare = spares.pop(index, None)
         if spare is None or spare.poll() is not None:
             return start(index, count)
-        spare.stdin.write(f"{count}\n".encode())
-        spare.stdin.close()
+        process = spare.processes[0]
+        process.stdin.write(f"{count}\n".encode())
+        process.stdin.close()
         spares[index] = start(index, None)
         return spare
 
@@ -250,7 +298,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         (directory / f"replica-{index}.final").unlink(missing_ok=True)
     starts = {index: 0 for index in range(args.replicas)}
     running = {index: start(index, 0) for index in range(args.replicas)}
-    spares: dict[int, subprocess.Popen] = {}
+    spares: dict[int, Group] = {}
     launched = time.time()
 
     def training(index: int) -> bool:
@@ -281,7 +329,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                     print(f"replica {index} came back to a finished job: the result is the others'", flush=True)
                 elif starts[index] < args.max_restarts:
                     starts[index] += 1
-                    print(f"replica {index} died (exit code {code}): restart {starts[index]}", flush=True)
+                    print(f"replica {index} died (exit code {code}): restart {starts[index]}"
+                          + (" (all its ranks)" if args.nproc_per_replica > 1 else ""), flush=True)
                     running[index] = restart(index, starts[index])
                 else:
                     print(f"replica {index} died (exit code {code}) and is not restarted", flush=True)
@@ -297,11 +346,40 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                               f"{last.get('participants')} replica group(s)", flush=True)  # fmt: skip
             time.sleep(0.1)
     finally:
-        for process in [*running.values(), *spares.values()]:
-            process.kill()
+        for group in [*running.values(), *spares.values()]:
+            group.kill()
         if lighthouse is not None:
             lighthouse.shutdown()
     return 0 if finished and len(finished | came_back) == args.replicas else 1
+
+
+class Group:
+    """A replica group's processes, as the launcher watches them: the group is running while
+    every process is; once one ends, the group's exit code is the first non-zero one (the
+    others are killed: a group of several restarts whole) or 0 once all ended with 0."""
+
+    def __init__(self, processes: list[subprocess.Popen]) -> None:
+        self.processes = processes
+
+    def poll(self) -> int | None:
+        codes = [process.poll() for process in self.processes]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            self.kill()
+            return failed[0]
+        return None if None in codes else 0
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _caused_by(error: BaseException | None, kind: type) -> bool:

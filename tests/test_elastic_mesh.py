@@ -119,3 +119,54 @@ def test_elastic_groups_of_two_ranks_are_the_fixed_mesh_recurrence(inner) -> Non
         assert len(rounds) - joined == 1 + STEPS // H + 1, (key, rounds)  # the join, a round per H steps, finish()
         assert_params_equal(params, elastic[(0, 0)][0])
         assert_params_close(params, fixed[0]["params"], rtol=0, atol=1e-5)
+
+
+MESH_RUN = ["--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "150", "--step-seconds", "0.02"]
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_restarts_its_group_which_heals_while_the_other_trains(tmp_path) -> None:
+    """examples/elastic_local.py, 2 groups of 2 ranks (FSDP2 inside), a random rank of group 1
+    killed (SIGKILL) a few rounds in: the launcher restarts group 1 whole and exits 0; group 0
+    landed rounds alone meanwhile and never stopped; group 1's new ranks healed (each its own
+    blocks) and trained with group 0 again; both end with the same whole parameters. (Ten such
+    runs, each against an uninterrupted run's held-out loss: benchmarks/elastic_stress.py
+    ``--scenarios rank-kill``.)"""
+    import random
+    import signal
+    import threading
+    import time
+
+    from tests.test_elastic import finish, launch, records
+
+    seed = random.randrange(1 << 16)
+    rng = random.Random(seed)
+    directory = tmp_path / "run"
+    process = launch(directory, *MESH_RUN)
+    killed: list[int] = []
+
+    def kill() -> None:
+        deadline = time.monotonic() + 90
+        while not (directory / "replica-1.jsonl").exists() or len(records(directory, 1)) < 3:
+            if process.poll() is not None or time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.0))
+        pids = (directory / "replica-1.pid").read_text().split()
+        killed.append(rng.randrange(len(pids)))
+        os.kill(int(pids[killed[0]]), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    finish(process, directory)
+    killer.join(timeout=5)
+    assert killed, f"seed {seed}: the run ended before the kill"
+    assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text(), seed
+    survivor, restarted = records(directory, 0), records(directory, 1)
+    assert any(r["participants"] == 1 and not r["dropped"] and r["inner_step"] > 0 for r in survivor[:-1]), seed
+    assert survivor[-1]["final"] and survivor[-1]["inner_step"] == 150, (seed, survivor[-1])
+    pids = [r["pid"] for r in restarted if not r.get("final")]
+    assert len(set(pids)) == 2, (seed, "group 1 was not restarted")
+    after = [r for r in restarted if r.get("pid") == pids[-1] and not r["dropped"]]
+    assert len(after) >= 2 and all(r["participants"] == 2 for r in after), (seed, after)
+    assert survivor[-1]["eval_loss"] == restarted[-1]["eval_loss"], seed
