@@ -548,7 +548,9 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
+    # A name of this process's own: jobs that save beside each other (elastic replica groups
+    # in one folder) never write the same temporary file; the last rename wins, whole.
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as handle:
         handle.write(text)
         handle.flush()

@@ -59,10 +59,9 @@ from torch import Tensor
 
 from acco.collectives import ReconfigurableCollectives
 from acco.legs import QuantizedLegs
-from acco.options import NonFinite, Weighting
 from acco.quantize import BlockCodec
+from acco.outer_round import OuterRunner, OuterShard, Seating
 from acco.replicas import HandOver, ReplicaReport
-from acco.runner import LaneWork
 from acco.sharding import ShardedGroup, ShardPlan, plan_layout, Layout
 from acco.telemetry import RoundStats
 
@@ -301,12 +300,14 @@ class _Epoch:
     outers: list[torch.optim.Optimizer]
 
 
-class ElasticRunner(LaneWork):
-    """The outer round over the replicas present (torchft), on the comm lane: the quorum (a
-    restarted replica heals), the exchange of hand-overs, the reduce leg (all-to-all of the
-    quantised pseudo-gradients, each chunk to its owner), the owner's outer step, the gather
-    leg (all-gather), the agreement; ``gathered`` holds the new global values of a round that
-    lands. :class:`acco.local.OuterRunner`'s recurrence, among the replicas of each round.
+class ElasticRunner(OuterRunner):
+    """The outer round (:class:`acco.outer_round.OuterRunner`'s body) over the replica groups
+    present (torchft): its hooks seat the quorum (a restarted group heals in it) and this
+    replica's epoch of the outer state, exchange the hand-overs (over the group's ranks, then
+    across groups; a heal by content where a participant missed a round), lay the legs over
+    torchft's process group and the epoch's chunks, agree the round (every participant's legs
+    succeeded, and torchft's vote) and land it: ``gathered`` holds the new global values of a
+    round that lands.
 
     Args:
         membership: who takes part (:class:`TorchFT`).
@@ -358,104 +359,102 @@ class ElasticRunner(LaneWork):
         self.ends_job = False  # the last landed round ended the job on every participant
         self._finishing_since: float | None = None
         self._failures: list[Exception] = []  # this replica's own failed rounds in a row
+        self._peers: list[_Peer] = []  # what the last round's exchange said of its participants
         self.replica, self.replicas = 0, 1
         self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
 
-    # -------------------------------------------------------------------------- the round
+    # ------------------------------------------------------------ the round's hooks
 
-    def run(self, round_: Any) -> RoundStats:
-        """One outer round among the replicas present.
-
-        Raises:
-            CommLaneError: no quorum formed (torchft's timeout; the Manager is then unusable).
-        """
+    def _seat(self, round_: Any) -> Seating:
+        """The quorum (a restarted replica group heals inside it) and this replica's epoch; the
+        legs and shards follow the exchange (a heal by content may rebuild the epoch)."""
         stats, record = round_.stats, self._recorder
-        record.lane_start(stats)
         self._round = round_
         if round_.hand_over.finishing and self._finishing_since is not None:
             time.sleep(self.finish_poll_seconds)  # finish() waits for a group of the job: no busy loop of rounds
-        try:
-            with record.phase(stats, "quorum"):
-                quorum = self._membership.start_round()
-        except Exception as error:
-            raise self._failed(round_, error) from error
+        with record.phase(stats, "quorum"):
+            quorum = self._membership.start_round()
         self.replica, self.replicas = quorum.replica, quorum.replicas
-        stats.update_weight = float(quorum.replicas)
-        succeeded, values = True, None
-        try:
-            epoch = self._epoch_for(quorum)
-            with record.phase(stats, "totals"):
-                nonfinite, report, peers = self._exchange(quorum, round_)
-            followers = [r for r, peer in enumerate(peers) if peer.lineage != max(p.lineage for p in peers)]
-            if followers:  # some participant was left out of a round the others landed
-                with record.phase(stats, "heal"):
-                    self._heal_by_content(quorum, peers, followers, round_)
-                stats.content_heal = quorum.replica in followers
-                if stats.content_heal:
-                    epoch = self._epoch_for(quorum, rebuild=True)
-                report = dataclasses.replace(report, steps=tuple(0 if r in followers else n for r, n in enumerate(report.steps)),
-                                             weights=tuple(0.0 if r in followers else w for r, w in enumerate(report.weights)))  # fmt: skip
-            round_.report = stats.replicas = report
-            stats.global_weight = sum(report.weights)
-            factors = report.factors(self._options.local.outer_weighting)
-            if nonfinite and self._options.nonfinite is NonFinite.RAISE:
-                raise FloatingPointError(f"non-finite parameters on {nonfinite} replica(s)")
-            stats.skipped = bool(nonfinite)
-            copies = self._copies()
-            values = [values.clone() for values in copies]
-            if not nonfinite and not (factors is not None and not any(factors)):
-                legs = QuantizedLegs(self._codec, copies, self._residuals)
-                sent = received = 0
-                for number, (group, plan) in enumerate(zip(self._groups, epoch.plans)):
-                    place = _Place(plan, epoch.replica)
-                    with record.phase(stats, "reduce-scatter"):
-                        params = self._relaid(round_.params[number], group.plan, plan)
-                        total, nbytes = legs.reduce(quorum.collectives, place, number, params, factors)
-                        sent += nbytes
-                    with record.phase(stats, "update"):
-                        master, outer = epoch.masters[number], epoch.outers[number]
-                        master.grad = total.div_(float(quorum.replicas))
-                        outer.step()
-                        master.grad = None
-                    with record.phase(stats, "all-gather"):
-                        received += legs.gather(quorum.collectives, place, number, master, values[number], values[number])
-                stats.collective_bytes = sent + received
-        except FloatingPointError as error:  # nonfinite="raise": the same report on every participant
+        self._epoch_for(quorum)
+        return Seating(quorum.replica, quorum.replicas, quorum.collectives, None, [], gathers_unchanged=False,
+                       context=quorum)  # fmt: skip
+
+    def _exchange(self, seating: Seating, round_: Any) -> tuple[int, ReplicaReport]:
+        """Every participant's hand-over; where some were left out of a round the others
+        landed, the heal by content (they take the newest global values and hand over
+        nothing); then the round's legs and this rank's shards of the epoch."""
+        stats, record, quorum = round_.stats, self._recorder, seating.context
+        with record.phase(stats, "totals"):
+            nonfinite, report, self._peers = self._exchange_hand_overs(quorum, round_)
+        peers = self._peers
+        followers = [r for r, peer in enumerate(peers) if peer.lineage != max(p.lineage for p in peers)]
+        if followers:  # some participant was left out of a round the others landed
+            with record.phase(stats, "heal"):
+                self._heal_by_content(quorum, peers, followers, round_)
+            stats.content_heal = quorum.replica in followers
+            if stats.content_heal:
+                self._epoch_for(quorum, rebuild=True)
+            report = dataclasses.replace(report, steps=tuple(0 if r in followers else n for r, n in enumerate(report.steps)),
+                                         weights=tuple(0.0 if r in followers else w for r, w in enumerate(report.weights)))  # fmt: skip
+        copies = self._copies()
+        seating.legs = QuantizedLegs(self._codec, copies, self._residuals)
+        seating.shards = [self._shard(number, group, copy.clone(), round_.params[number])
+                          for number, (group, copy) in enumerate(zip(self._groups, copies))]  # fmt: skip
+        return nonfinite, report
+
+    def _shard(self, number: int, group: ShardedGroup, values: Tensor, params: Tensor) -> OuterShard:
+        """Param group ``number``'s part in this epoch: its chunk's master and outer optimizer,
+        the hand-over relaid for the epoch's chunks, the new global values into ``values``."""
+        epoch = self._epoch
+        plan, master, outer = epoch.plans[number], epoch.masters[number], epoch.outers[number]
+        grad = torch.empty_like(master)
+
+        def step() -> None:
+            master.grad = grad
+            outer.step()
+            master.grad = None
+
+        return OuterShard(_Place(plan, epoch.replica), self._relaid(params, group.plan, plan), master, grad, step,
+                          lambda: None, values, values)  # fmt: skip
+
+    def _legs_failed(self, round_: Any, error: Exception) -> None:
+        """A peer lost mid-round: the round is dropped on every participant (its vote says
+        so); after ``max_failed_rounds`` in a row the error is this replica's own: raised."""
+        self._membership.report_error(error)
+        self._failures.append(error)
+        _log.warning("elastic outer round %d dropped on this replica group: %s: %s", round_.stats.index,
+                     type(error).__name__, error)  # fmt: skip
+        if len(self._failures) >= self.max_failed_rounds:
             raise self._failed(round_, error) from error
-        except Exception as error:
-            succeeded = False
-            self._membership.report_error(error)
-            self._failures.append(error)
-            _log.warning("elastic outer round %d dropped on this replica group: %s: %s", stats.index,
-                         type(error).__name__, error)  # fmt: skip
-            if len(self._failures) >= self.max_failed_rounds:  # not a peer lost: an error of its own
-                raise self._failed(round_, error) from error
-        else:
+
+    def _agree(self, seating: Seating, succeeded: bool) -> bool:
+        if succeeded:
             self._failures.clear()
-        try:
-            with record.phase(stats, "agree"):
-                committed = self._membership.agree(quorum, succeeded, self._groups[0].device)
-        except Exception as error:
-            raise self._failed(round_, error) from error
+        with self._recorder.phase(self._round.stats, "agree"):
+            return self._membership.agree(seating.context, succeeded, self._groups[0].device)
+
+    def _land(self, seating: Seating, round_: Any, committed: bool) -> None:
+        """A landed round's global values into each group's ``gathered`` (relaid for the
+        groups' layout), its identity into the lineage, and whether it ends the job; a dropped
+        one changes nothing but the residuals (reset) and the epoch (rebuilt next round)."""
+        quorum, stats = seating.context, round_.stats
         stats.participants = quorum.replicas
         if committed:
-            for group, plan, new in zip(self._groups, self._epoch.plans, values):
+            for group, shard in zip(self._groups, seating.shards):
                 group.gathered.zero_()
-                self._relay(new, plan, group.gathered, group.plan)
+                self._relay(shard.out, shard.place.plan, group.gathered, group.plan)
             self.lineage = _next_lineage(self.lineage, quorum)
             self.most_participants = max(self.most_participants, quorum.replicas)
             # The job ends on a round every participant finishes in, with every group the job had
             # (or after a participant's finish_timeout): the same decision on every participant.
             self.ends_job = all(round_.report.finishing) and (
-                quorum.replicas >= max(peer.expected for peer in peers) or any(peer.gives_up for peer in peers))
+                quorum.replicas >= max(peer.expected for peer in self._peers) or any(peer.gives_up for peer in self._peers))
         else:
             stats.dropped = True
             self._epoch = None  # a master may have stepped: the next round rebuilds from the global values
             for residual in self._residuals or []:
                 residual.zero_()
         self._round = None
-        record.lane_end(stats)
-        return stats
 
     def replay(self, round_: Any) -> RoundStats:
         raise AssertionError("elastic outer rounds are blocking: no round is in flight in a checkpoint")
@@ -514,7 +513,7 @@ class ElasticRunner(LaneWork):
 
     # ------------------------------------------------------------------------- the parts
 
-    def _exchange(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:
+    def _exchange_hand_overs(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:
         """Every participant's hand-over and non-finite flag, and what only elastic rounds need
         of each (:class:`_Peer`), in one all-reduce (each rank with the equal ranks of the other
         groups, every rank of a group saying what its group agreed: the same on all of them)."""

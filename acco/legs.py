@@ -1,7 +1,8 @@
-"""An outer round's two legs below 32 bits (``outer_bits``): the quantised reduce of the
-replicas' pseudo-gradients and the quantised gather of the new global values, shared by the
-fixed groups' outer round (:class:`acco.local.OuterRunner`) and the elastic one
-(:class:`acco.elastic.ElasticRunner`). docs/design.md, "Lighter outer rounds"."""
+"""An outer round's two legs: the reduce of the replicas' pseudo-gradients to each chunk's owner,
+and the gather of the new global values, read by the one outer round
+(:class:`acco.outer_round.OuterRunner`) whoever takes part. :class:`QuantizedLegs` below 32 bits
+(``outer_bits``; docs/design.md, "Lighter outer rounds"), :class:`PlainLegs` at 32 (a fixed
+group's reduce-scatter and all-gather of the parameters themselves)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from acco.collectives import Collectives
 from acco.quantize import BlockCodec, RowBlocks
 from acco.sharding import ShardedGroup
 
-__all__ = ["QuantizedLegs"]
+__all__ = ["PlainLegs", "QuantizedLegs"]
 
 
 class QuantizedLegs:
@@ -48,11 +49,11 @@ class QuantizedLegs:
         self._rows: dict[int, list[RowBlocks]] = {}  # per param group: each rank's row
 
     def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor,
-               factors: Sequence[float] | None = None) -> tuple[Tensor, int]:
-        """The sum over ranks of the decoded pseudo-gradients of this rank's chunk (fp32, a
-        new tensor), each times its replica's factor (``factors``; None: once each), and the
-        bytes this rank sent (one row per rank, its own included). The residual stays in
-        unweighted units: what was sent is weighed only once decoded."""
+               factors: Sequence[float] | None, out: Tensor) -> int:
+        """``out`` = the mean over ranks of the decoded pseudo-gradients of this rank's chunk
+        (summed in fp32 in rank order), each times its replica's factor (``factors``; None:
+        once each); returns the bytes this rank sent (one row per rank, its own included). The
+        residual stays in unweighted units: what was sent is weighed only once decoded."""
         codec, rows, plan = self._codec, self._rows_of(group, number), group.plan
         copies = self._global_values[number].view(plan.world_size, plan.chunk)
         handed = params.view(plan.world_size, plan.chunk)
@@ -80,7 +81,8 @@ class QuantizedLegs:
                 total.add_(codec.decode(row, own))
             elif factors[source]:
                 total.add_(codec.decode(row, own), alpha=factors[source])
-        return total, encoded.nbytes
+        torch.div(total, float(plan.world_size), out=out)
+        return encoded.nbytes
 
     def copies(self, number: int) -> Tensor:
         """The copy of the global values this rank holds for param group ``number``."""
@@ -121,3 +123,32 @@ class QuantizedLegs:
         rows of one length)."""
         width = max(self._codec.row_bytes(blocks) for blocks in rows)
         return torch.zeros((len(rows), width), dtype=torch.uint8, device=device)
+
+
+class PlainLegs:
+    """A fixed group's outer round at 32 bits: the replicas' parameters reduce-scattered (each
+    times its factor), their mean subtracted from the owner's snapshot shard; the owners'
+    new shards (``gather_input``, which the outer step writes) all-gathered.
+
+    Args:
+        snapshot: per param group, this rank's snapshot shard (the master shard).
+    """
+
+    def __init__(self, snapshot: Sequence[Tensor]) -> None:
+        self._snapshot = snapshot
+
+    def reduce(self, comm: Collectives, group: ShardedGroup, number: int, params: Tensor,
+               factors: Sequence[float] | None, out: Tensor) -> int:
+        """``out`` = the snapshot's shard minus the replicas' (weighted) mean; the bytes sent."""
+        if factors is not None:  # this replica's share of the weighted mean
+            params.mul_(factors[comm.rank])
+        comm.reduce_scatter_sum(group.grad_shard, params)
+        torch.div(group.grad_shard, float(group.plan.world_size), out=out)
+        torch.sub(self._snapshot[number], out, out=out)
+        return params.nbytes
+
+    def gather(self, comm: Collectives, group: ShardedGroup, number: int, master: Tensor, values: Tensor | None,
+               out: Tensor) -> int:
+        """Every owner's ``gather_input`` into ``out``; the bytes received."""
+        comm.all_gather(out, group.gather_input)
+        return out.nbytes

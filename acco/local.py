@@ -4,7 +4,7 @@ The local loop, whole. Each rank (each replica group, on a mesh) trains its own 
 model with the inner optimizer, a whole torch optimizer stepped on the training thread at
 every ``step()`` on this replica's own gradients; no collective across replicas runs there.
 Every ``sync_every`` inner steps an *outer round* starts on the comm lane
-(:class:`OuterRunner`): the replicas' parameters are reduce-scattered, each rank subtracts
+(:class:`acco.outer_round.OuterRunner`): the replicas' parameters are reduce-scattered, each rank subtracts
 their mean from its shard of the *snapshot* (the last global values, kept only as this rank's
 1/R shard, at full precision), steps that shard with the outer optimizer (its state 1/R too)
 and all-gathers the new global values. The round *lands* ``sync_delay`` inner steps after its
@@ -18,8 +18,9 @@ rounds".
 
 :class:`LocalLoop` is the loop (:mod:`acco.loops` says what a loop is); :class:`InnerSteps`
 the inner update; :class:`LocalClock` when rounds launch and land; :class:`OuterRound` and
-:class:`OuterRunner` the outer round and its body on the comm lane (elastic replicas: the
-membership's runner, :mod:`acco.elastic`); the legs below 32 bits: :mod:`acco.legs`.
+:class:`OuterRunner` the outer round and its body on the comm lane, once (:mod:`acco.outer_round`:
+a fixed group's hooks, :class:`FixedRunner`; elastic replicas', the membership's runner,
+:mod:`acco.elastic`); the legs: :mod:`acco.legs`.
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.legs import QuantizedLegs
+from acco.outer_round import FixedRunner, OuterRound
 from acco.quantize import BlockCodec
-from acco.replicas import HandOver, Pacing, ReplicaReport
+from acco.replicas import Pacing, ReplicaReport
 from acco.rounds import LaneRound
-from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
-from acco.telemetry import RoundStats
 
-__all__ = ["InnerSteps", "LocalClock", "LocalLoop", "OuterRound", "OuterRunner"]
+__all__ = ["InnerSteps", "LocalClock", "LocalLoop"]
 
 
 class LocalLoop(Loop):
@@ -99,7 +99,7 @@ class LocalLoop(Loop):
         if local.membership is None:
             legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values,
                                                                      self.residuals)  # fmt: skip
-            self.lane_work = OuterRunner(parts.groups, self.shard_optimizers, self.snapshot, legs,
+            self.lane_work = FixedRunner(parts.groups, self.shard_optimizers, self.snapshot, legs,
                                          *parts.lane_work_args(), common_terms=self.common_terms)  # fmt: skip
         else:  # elastic replicas (torchft): the round among the replica groups present, sharded among them
             self.lane_work = local.membership.runner(parts.groups, self.global_values, BlockCodec(local.outer_bits),
@@ -397,6 +397,21 @@ class LocalLoop(Loop):
             "elastic": self.lane_work.state_dict(),
         }
 
+    def saved_masters(self) -> list[Tensor] | None:
+        """Elastic replicas keep no master shard (their outer state is the round's chunks):
+        a state dict saves this rank's chunk of the global values in its place, so a portable
+        checkpoint (a mesh's) reads as any local-mode one."""
+        if self.keeps_master(self._parts.options):
+            return None
+        out = []
+        for group, values in zip(self._groups, self.global_values):
+            start, stop = group.plan.rank_range(group.rank)
+            chunk = torch.zeros(group.plan.chunk, dtype=group.master_dtype, device=values.device)
+            stop = min(stop, values.numel())
+            chunk[: max(0, stop - start)] = values[start:stop]
+            out.append(chunk)
+        return out
+
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """After the groups and the schedule: this replica's own part (``saved`` is this
         rank's, or on another number of replicas rank 0's: docs/checkpoints.md)."""
@@ -464,219 +479,6 @@ class LocalLoop(Loop):
             entry.update(self.lane_work.buffer_bytes(number))  # elastic replicas: the round's outer state
             entry["common_term"] = 0 if self.common_terms is None else self.common_terms[number].nbytes
         return sizes
-
-
-@dataclass(kw_only=True)
-class OuterRound(LaneRound):
-    """An outer round: this replica's parameters in, the new global values out.
-
-    Attributes:
-        params: per param group, this replica's parameters, flat in the round's buffer (the
-            reduce-scatter input; the all-gather writes the new global values there).
-        hand_over: what this replica tells the others with them.
-        report: every replica's hand-over, once the comm lane has exchanged them.
-    """
-
-    params: list[Tensor]
-    hand_over: HandOver | None = None
-    report: ReplicaReport | None = None
-
-
-class OuterRunner(LaneWork):
-    """Runs outer rounds on the comm lane: the replicas' parameters reduce-scattered, their
-    mean subtracted from the snapshot's shard (the mean pseudo-gradient), the outer
-    optimizer's step on that shard, the new global values all-gathered. No clipping (the
-    inner steps clip their own) and no weights: every replica counts once.
-
-    Args:
-        groups: each param group's buffers.
-        outer_optimizers: each group's outer optimizer on the snapshot's shard (or None).
-        snapshot: each group's snapshot shard.
-        legs: the two legs below 32 bits (``outer_bits``), or None: parameters reduce-scattered
-            and global values all-gathered at full precision.
-        *args, **kwargs: the rest of :class:`~acco.runner.LaneWork`'s.
-        common_terms: with ``overlap="estimate"``, each group's copy of the outer step's common
-            part (whole, on every rank), which every round's gather leg brings up to date after
-            the global values (as they are, quantised against the copy below 32 bits); None:
-            no estimate.
-    """
-
-    def __init__(
-        self,
-        groups: Sequence[ShardedGroup],
-        outer_optimizers: Sequence[torch.optim.Optimizer | None],
-        snapshot: Sequence[Tensor],
-        legs: QuantizedLegs | None,
-        *args: Any,
-        common_terms: Sequence[Tensor] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(groups, *args, **kwargs)
-        self._outer = list(outer_optimizers)
-        self._snapshot = list(snapshot)
-        self._legs = legs
-        self._common_terms = common_terms
-        # Each replica group's ranks hand over the same parameters' pieces once: a replica
-        # counts once in the mean.
-        self.replicas = self._mesh_comm.world_size // self._replica_size
-        # Who holds this rank's residual: its rank and the number of ranks of the whole mesh.
-        self.place = [self._mesh_comm.rank, self._mesh_comm.world_size]
-        self.ends_job = True  # finish()'s rounds end the job on every replica (elastic ones may not)
-
-    @property
-    def outer_optimizers(self) -> list[torch.optim.Optimizer | None]:
-        """Each param group's outer optimizer on this rank's snapshot shard (None: owns nothing)."""
-        return list(self._outer)
-
-    def state_dict(self) -> None:
-        """Nothing beyond the loop's own state (the snapshot shards are the groups' masters)."""
-        return None
-
-    def buffer_bytes(self, number: int) -> dict[str, int]:
-        """Nothing beyond the loop's and the groups' buffers."""
-        return {}
-
-    @property
-    def replica(self) -> int:
-        """This rank's replica: its rank among the replicas (in the outer round's group)."""
-        return self._comm.rank
-
-    def run(self, round_: OuterRound) -> RoundStats:
-        """One outer round.
-
-        Raises:
-            CommLaneError: naming the round and the phase it failed in (NaN or inf in some
-                replica's parameters with ``nonfinite="raise"`` among them).
-        """
-        stats, record = round_.stats, self._recorder
-        record.lane_start(stats)
-        stats.update_weight = float(self.replicas)
-        try:
-            with record.phase(stats, "totals"):
-                nonfinite, round_.report = self._exchange(round_)
-            stats.replicas = round_.report
-            stats.global_weight = sum(round_.report.weights)
-            factors = round_.report.factors(self._options.local.outer_weighting)
-            if nonfinite and self._options.nonfinite is NonFinite.RAISE:
-                raise FloatingPointError(f"non-finite parameters on {nonfinite} rank(s)")
-            if nonfinite or (factors is not None and not any(factors)):
-                # Nothing to merge (NaN/inf skipped, or no replica trained since its last round):
-                # the global values stay as they are.
-                stats.skipped = bool(nonfinite)
-                common_bytes = self._gather_common_terms(stats)
-                if self._legs is None:
-                    self._all_gather(stats, unchanged=True)
-                    self._synchronise_buffers(round_)
-                    stats.collective_bytes += common_bytes
-                else:  # the unchanged master shards through the gather leg, as a replay sends them
-                    stats.collective_bytes = self._quantized_gather(stats) + common_bytes
-                    self._synchronise_buffers(round_)
-                record.lane_end(stats)
-                return stats
-            legs, sent = self._legs, 0
-            with record.phase(stats, "reduce-scatter"):
-                for number, (group, params, snapshot) in enumerate(zip(self._groups, round_.params, self._snapshot)):
-                    pseudo_grad = group.master_grad
-                    if legs is not None:  # the replicas' decoded pseudo-gradients, weighed, summed in fp32
-                        total, nbytes = legs.reduce(self._comm, group, number, params, factors)
-                        torch.div(total, float(self.replicas), out=pseudo_grad)
-                        sent += nbytes
-                        continue
-                    if factors is not None:  # this replica's share of the weighted mean
-                        params.mul_(factors[self.replica])
-                    self._comm.reduce_scatter_sum(group.grad_shard, params)
-                    # The snapshot minus the replicas' (weighted) mean.
-                    torch.div(group.grad_shard, float(self.replicas), out=pseudo_grad)
-                    torch.sub(snapshot, pseudo_grad, out=pseudo_grad)
-            with record.phase(stats, "update"):
-                for group, outer, snapshot in zip(self._groups, self._outer, self._snapshot):
-                    if outer is not None:  # the snapshot is the group's master shard
-                        step_shard(group, outer, {}, estimate=False)
-                    else:
-                        group.gather_input.copy_(snapshot)
-            common_bytes = self._gather_common_terms(stats)
-            if legs is None:
-                self._gather_result(round_, round_.params)
-                stats.collective_bytes += common_bytes
-            else:
-                stats.collective_bytes = sent + self._quantized_gather(stats) + common_bytes
-                self._synchronise_buffers(round_)
-        except Exception as error:
-            raise self._failed(round_, error) from error
-        record.lane_end(stats)
-        return stats
-
-    # The exchange's entries per rank of the mesh: its replica, then its hand-over's fields.
-    _FIELDS = 6
-
-    def _exchange(self, round_: OuterRound) -> tuple[int, ReplicaReport]:
-        """One all-reduce over the mesh: how many ranks hand over NaN or inf, and every
-        replica's hand-over. Each rank writes its own entries (the others are 0, so the sum
-        is exact); a replica group's ranks report alike, but for its seconds per step, its
-        slowest rank's."""
-        own, ranks = round_.hand_over, self._mesh_comm.world_size
-        params = round_.params
-        flags = torch.zeros(1 + self._FIELDS * ranks, dtype=torch.float64, device=params[0].device)
-        start = 1 + self._FIELDS * self._mesh_comm.rank
-        flags[start : start + self._FIELDS] = torch.tensor(
-            [self.replica, own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
-        flags[0] = self._nonfinite_flag(params)
-        self._mesh_comm.all_reduce_sum_(flags)
-        values = self._device_hooks.host_copy(flags)(self._options.timeout.total_seconds()).tolist()
-        entries: dict[int, list[list[float]]] = {}
-        for rank in range(ranks):
-            entry = values[1 + self._FIELDS * rank : 1 + self._FIELDS * (rank + 1)]
-            entries.setdefault(int(entry[0]), []).append(entry[1:])
-        by_replica = [entries[replica] for replica in range(self.replicas)]
-        report = ReplicaReport(
-            steps=tuple(int(ranks_of[0][0]) for ranks_of in by_replica),
-            weights=tuple(ranks_of[0][1] for ranks_of in by_replica),
-            step_seconds=tuple(max(entry[2] for entry in ranks_of) for ranks_of in by_replica),
-            stop=tuple(any(entry[3] for entry in ranks_of) for ranks_of in by_replica),
-            finishing=tuple(any(entry[4] for entry in ranks_of) for ranks_of in by_replica),
-        )
-        nonfinite = self._confirm_nonfinite(params) if values[0] else 0
-        return nonfinite, report
-
-    def _gather_common_terms(self, stats: RoundStats) -> int:
-        """``overlap="estimate"``: each owner's common part of the outer step (from its master
-        shard and momentum, as they are now) into every rank's copy; the bytes received (0
-        without the estimate). A replayed round skips it: a checkpoint holds the copies as this
-        leg left them."""
-        if self._common_terms is None:
-            return 0
-        estimate, received = self._options.local.estimate, 0
-        with self._recorder.phase(stats, "all-gather"):
-            for number, (group, outer, copy) in enumerate(zip(self._groups, self._outer, self._common_terms)):
-                master = group.master
-                common = torch.empty(master.shape, dtype=torch.float32, device=master.device)
-                momenta = [None if outer is None else outer.state.get(view, {}).get("momentum_buffer")
-                           for view in group.master_views]  # fmt: skip
-                estimate.common(common, master.float(), momenta, group.shard_views(common))
-                if self._legs is not None:
-                    received += self._legs.gather(self._comm, group, number, common, copy, copy)
-                else:
-                    self._comm.all_gather(copy, common.to(copy.dtype))
-                    received += copy.nbytes
-        return received
-
-    def replay(self, round_: LaneRound) -> RoundStats:
-        """A round re-created from a checkpoint: the gather leg again (below 32 bits from the
-        restored master shards and copy, so it sends what the saved run sent)."""
-        if self._legs is None:
-            return super().replay(round_)
-        self._recorder.lane_start(round_.stats)
-        self._quantized_gather(round_.stats)
-        self._recorder.lane_end(round_.stats)
-        return round_.stats
-
-    def _quantized_gather(self, stats: RoundStats) -> int:
-        """The gather leg below 32 bits from the master shards as they are; the bytes received."""
-        received = 0
-        with self._recorder.phase(stats, "all-gather"):
-            for number, (group, snapshot) in enumerate(zip(self._groups, self._snapshot)):
-                received += self._legs.gather(self._comm, group, number, snapshot, self._legs.copies(number), group.gathered)
-        return received
 
 
 class InnerSteps:

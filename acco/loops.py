@@ -171,6 +171,11 @@ class Loop:
         """The loop's own state, beyond the groups and the schedule (None: nothing)."""
         return None
 
+    def saved_masters(self) -> list[Tensor] | None:
+        """Per param group, what a state dict saves as this rank's master shard where the
+        groups keep none (:meth:`keeps_master` False); None: the groups' own."""
+        return None
+
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         """Restore :meth:`state_dict`'s (after the groups and the counts)."""
 

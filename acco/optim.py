@@ -767,6 +767,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             counts={"num_updates": self.num_updates, "skipped_updates": self.skipped_updates,
                     "committed_weight": self.committed_weight, "local": self._loop.state_dict()},
             buffers=None if self._buffer_sync is None else self._buffer_sync.state_dict(round_ and round_.buffer_snapshot),
+            masters=self._loop.saved_masters(),
         )  # fmt: skip
 
     def _wait_in_flight(self) -> LaneRound | None:

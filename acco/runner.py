@@ -3,7 +3,7 @@
 :class:`LaneWork` is what every round body shares (the all-gather, the module buffers, the
 non-finite check, a replayed round); :class:`RoundRunner` runs one gradient
 :class:`~acco.rounds.Round` on it, on the comm lane's thread (an outer round of
-``mode="local"`` has its own body, :class:`acco.local.OuterRunner`)
+``mode="local"`` has its own body, :class:`acco.outer_round.OuterRunner`)
 (docs/design.md, "A round on the comm lane"). It holds no reference to the optimizer: its
 collaborators (the groups' buffers, the base optimizers, the collectives, the device hooks,
 the stats recorder) are handed to it, so a test can drive it with fake collectives and no
@@ -34,7 +34,7 @@ class LaneWork:
     """What every round body on the comm lane shares: its collaborators, the all-gather of
     each rank's shard, the module buffers' synchronisation, the non-finite check, and the
     replay of a round re-created from a checkpoint. :class:`RoundRunner` runs gradient
-    rounds on it; :class:`acco.local.OuterRunner` outer rounds.
+    rounds on it; :class:`acco.outer_round.OuterRunner` outer rounds.
 
     Args:
         groups: each param group's buffers.

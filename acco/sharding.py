@@ -366,7 +366,10 @@ class ShardedGroup:
         return shard
 
     def load_master_values(self, values: Tensor, result_pending: bool) -> None:
-        """Restore the committed master shard (``result_pending``: a replayed round brings it)."""
+        """Restore the committed master shard (``result_pending``: a replayed round brings it;
+        a group that keeps none has its loop restore what stands for it)."""
+        if not self.keeps_master:
+            return
         if not self.master_in_params:
             self._master.copy_(values)
         elif not result_pending:

@@ -54,8 +54,10 @@ def build_state_dict(
     round_state: dict[str, Any],
     counts: dict[str, Any],
     buffers: dict[str, Any] | None = None,
+    masters: Sequence[Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The state dict above, at a round boundary (a round in flight has been waited for)."""
+    """The state dict above, at a round boundary (a round in flight has been waited for);
+    ``masters``: each group's master shard where the groups keep none (the loop's)."""
     result_pending = round_state["in_flight_kind"] is not None
     return {
         "state": {},
@@ -69,7 +71,8 @@ def build_state_dict(
             **counts,
             "round": round_state,
             "buffers": buffers,
-            "groups": [_group_state(g, s, b, result_pending) for g, s, b in zip(param_groups, groups, base_optimizers)],
+            "groups": [_group_state(g, s, b, result_pending, None if masters is None else masters[number])
+                       for number, (g, s, b) in enumerate(zip(param_groups, groups, base_optimizers))],  # fmt: skip
         },
     }
 
@@ -120,14 +123,15 @@ def _param_groups_state(param_groups: Sequence[dict[str, Any]]) -> list[dict[str
 
 
 def _group_state(
-    group: dict[str, Any], sharded: ShardedGroup, base: torch.optim.Optimizer | None, result_pending: bool
+    group: dict[str, Any], sharded: ShardedGroup, base: torch.optim.Optimizer | None, result_pending: bool,
+    master: Tensor | None = None,
 ) -> dict[str, Any]:
     """One entry of ``acco.groups``, at a round boundary (``result_pending``: a finished round's
-    result has not been loaded yet)."""
+    result has not been loaded yet; ``master``: the master shard, where the group keeps none)."""
     return {
         **_group_header(group, sharded),
         "chunk": sharded.plan.chunk,
-        "master": sharded.master_values(result_pending=result_pending),
+        "master": sharded.master_values(result_pending=result_pending) if master is None else master,
         "base_state": _base_state(sharded, base),
         "in_flight_result": sharded.gather_input.clone() if result_pending else None,
         "grad_accumulator": sharded.grad_accumulator.clone(),
@@ -166,10 +170,12 @@ def check_state_dict(
         for key, value in _group_header(group, sharded).items():
             if values[key] != value:
                 raise ValueError(f"param group {number}: saved {key} {values[key]!r}, this optimizer has {value!r}")
-        master = sharded.plan.chunk if sharded.keeps_master else 0  # (elastic rounds keep theirs elsewhere)
-        for key, length in (("master", master), ("grad_accumulator", sharded.plan.padded_numel)):
-            if not isinstance(values[key], Tensor) or values[key].shape != (length,):
-                raise ValueError(f"param group {number}: saved {key} is not a tensor of {length} elements")
+        # (Elastic rounds keep their outer state elsewhere: the master saved is the global
+        # values' chunk, or nothing in a state saved before it was.)
+        masters = (sharded.plan.chunk,) if sharded.keeps_master else (sharded.plan.chunk, 0)
+        for key, lengths in (("master", masters), ("grad_accumulator", (sharded.plan.padded_numel,))):
+            if not isinstance(values[key], Tensor) or tuple(values[key].shape) not in [(n,) for n in lengths]:
+                raise ValueError(f"param group {number}: saved {key} is not a tensor of {lengths[0]} elements")
     if saved.get("buffers") is not None and buffer_sync is not None:
         buffer_sync.check_state_dict(saved["buffers"])
     return saved

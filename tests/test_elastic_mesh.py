@@ -32,10 +32,14 @@ pytestmark = pytest.mark.timeout(240)
 STEPS, H, MAX_NORM = 9, 3, 0.5
 
 
-def train(inner: str, membership=None) -> dict:  # type: ignore[no-untyped-def]
+def train(inner: str, membership=None, checkpoint: tuple[str, str, int] | None = None) -> dict:  # type: ignore[no-untyped-def]
     """One rank of a 2 x 2 layout: acco across replica groups (``membership``: torchft's, each
     group its own job with ``replicate`` of size 1; None: the fixed mesh's 2 replicas), ``inner``
-    inside; replica g's rank r feeds mesh rank g * S + r's micro-batches."""
+    inside; replica g's rank r feeds mesh rank g * S + r's micro-batches. ``checkpoint``:
+    ``("save", dir, k)``: stop after inner step k with a checkpoint of each group in
+    ``dir/group-g`` (acco.checkpoint, no finish()); ``("resume", dir, k)``: start from it."""
+    from acco import checkpoint as acco_checkpoint
+
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -48,18 +52,26 @@ def train(inner: str, membership=None) -> dict:  # type: ignore[no-untyped-def]
                         sync_every=H, sync_delay=0, pacing="lockstep", max_grad_norm=MAX_NORM,
                         timeout=datetime.timedelta(seconds=90), **hp)  # fmt: skip
     rank = int(os.environ["ACCO_TEST_GROUP"]) * S + dist.get_rank() if elastic else dist.get_rank()
-    for t in range(STEPS):
+    action, directory, first = checkpoint or (None, None, 0)
+    where = None if directory is None else f"{directory}/group-{os.environ.get('ACCO_TEST_GROUP')}"
+    if action == "resume":
+        acco_checkpoint.load(where, opt, model)
+    for t in range(first if action == "resume" else 0, first if action == "save" else STEPS):
         for i in range(2):
             x, y, _ = data_of(inner, t, rank, i, False)
             loss_fn(model, x, y).backward()
             opt.accumulate()
         opt.step()
-    opt.finish()
+    if action == "save":
+        acco_checkpoint.save(where, opt, model)
+        opt.close()
+    else:
+        opt.finish()
     rounds = [(s.participants, s.dropped) for s in opt.round_stats]
     return {"params": full_params(model), "rounds": rounds, "outer_rounds": opt.outer_rounds}
 
 
-def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, results) -> None:  # type: ignore[no-untyped-def]
+def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, results, checkpoint=None) -> None:  # type: ignore[no-untyped-def]
     """Rank ``rank`` of replica group ``group``: the group's own process group (its own port, as
     its own torchrun job would have), torchft's membership across groups."""
     from acco.elastic import TorchFT
@@ -71,7 +83,7 @@ def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, res
         membership = TorchFT.connect(f"group-{group}", lighthouse=address, start_with=2, hostname="localhost",
                                      timeout=datetime.timedelta(seconds=10),
                                      quorum_timeout=datetime.timedelta(seconds=60))  # fmt: skip
-        out = train(inner, membership)
+        out = train(inner, membership, checkpoint)
         results.put((group, rank, {k: (v.numpy().tobytes(), tuple(v.shape)) for k, v in out["params"].items()},
                      out["rounds"]))  # fmt: skip
         membership.close()
@@ -81,14 +93,14 @@ def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, res
         raise
 
 
-def run_elastic(inner: str) -> dict[tuple[int, int], tuple]:
+def run_elastic(inner: str, checkpoint: tuple[str, str, int] | None = None) -> dict[tuple[int, int], tuple]:
     """2 replica groups of S ranks, each group with its own process group: (group, rank) ->
     (whole parameters, rounds)."""
     server = lighthouse()
     context = fork_server()
     results = context.Queue()
     ports = [free_port() for _ in range(2)]
-    processes = [context.Process(target=elastic_rank, args=(inner, server.address(), g, ports[g], r, results))
+    processes = [context.Process(target=elastic_rank, args=(inner, server.address(), g, ports[g], r, results, checkpoint))
                  for g in range(2) for r in range(S)]  # fmt: skip
     try:
         for process in processes:
@@ -119,6 +131,17 @@ def test_elastic_groups_of_two_ranks_are_the_fixed_mesh_recurrence(inner) -> Non
         assert len(rounds) - joined == 1 + STEPS // H + 1, (key, rounds)  # the join, a round per H steps, finish()
         assert_params_equal(params, elastic[(0, 0)][0])
         assert_params_close(params, fixed[0]["params"], rtol=0, atol=1e-5)
+
+
+def test_an_elastic_job_of_groups_of_two_ranks_resumes_from_its_checkpoints_bit_for_bit(tmp_path) -> None:
+    """2 groups of 2 ranks (FSDP2 inside) stopped after inner step 4 with a checkpoint of each
+    group (acco.checkpoint: DCP, each rank its blocks), resumed by new processes with a new
+    lighthouse: every rank ends bit for bit where the uninterrupted run does."""
+    uninterrupted = run_elastic("fsdp")
+    run_elastic("fsdp", ("save", str(tmp_path), 4))
+    resumed = run_elastic("fsdp", ("resume", str(tmp_path), 4))
+    for key, (params, _) in resumed.items():
+        assert_params_equal(params, uninterrupted[key][0])
 
 
 MESH_RUN = ["--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "150", "--step-seconds", "0.02"]
