@@ -60,7 +60,7 @@ from torch import Tensor
 from acco.collectives import ReconfigurableCollectives
 from acco.legs import QuantizedLegs
 from acco.quantize import BlockCodec
-from acco.outer_round import OuterRunner, OuterShard, Seating
+from acco.outer_round import OuterRunner, OuterShard, RoundRefused, Seating
 from acco.replicas import HandOver, ReplicaReport
 from acco.sharding import ShardedGroup, ShardPlan, plan_layout, Layout
 from acco.telemetry import RoundStats
@@ -347,6 +347,9 @@ class ElasticRunner(OuterRunner):
         self._codec = codec
         self._outer_optimizer = outer_optimizer
         self._shapes = [[tuple(slot.shape) for slot in group.plan.slots] for group in groups]
+        # This rank's layout, as its equal ranks in the other groups must share it: a digest of
+        # its blocks' shapes (exact in the exchange's float64).
+        self._layout = int.from_bytes(hashlib.blake2b(repr(self._shapes).encode(), digest_size=6).digest(), "little")
         self._residuals = ([torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in groups]
                            if error_feedback else None)  # fmt: skip
         self._epoch: _Epoch | None = None
@@ -518,16 +521,18 @@ class ElasticRunner(OuterRunner):
         of each (:class:`_Peer`), in one all-reduce (each rank with the equal ranks of the other
         groups, every rank of a group saying what its group agreed: the same on all of them)."""
         own, nonfinite, gives_up = self._group_hand_over(round_)
-        fields, device = 9, self._groups[0].device
+        fields, device = 10, self._groups[0].device
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
-             gives_up], dtype=torch.float64)  # fmt: skip
+             gives_up, self._layout], dtype=torch.float64)  # fmt: skip
         flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
         rows = flags[1:].view(quorum.replicas, fields).tolist()
+        if len({row[9] for row in rows}) != 1:
+            raise RoundRefused(_MISFIT)
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
@@ -676,11 +681,19 @@ class ElasticRunner(OuterRunner):
     def _state_for_peer(self) -> dict[str, Any]:
         """What a restarted group takes from this one: the loop's, and where its global values
         come from."""
-        return {**self._heal_state(), "lineage": list(self.lineage), "most_participants": self.most_participants}
+        return {**self._heal_state(), "lineage": list(self.lineage), "most_participants": self.most_participants,
+                "layout": self._layout}
 
     def _heal(self, state: dict[str, Any]) -> None:
         """A peer's state, taken inside the quorum (this replica was behind): the loop takes it,
-        and this round's hand-over becomes the global values themselves, with no weight."""
+        and this round's hand-over becomes the global values themselves, with no weight.
+
+        Raises:
+            RoundRefused: the peer's rank holds other blocks than this one (groups laid out
+                differently).
+        """
+        if state.get("layout", self._layout) != self._layout:
+            raise RoundRefused(_MISFIT)
         self._load_heal_state(state)
         self.lineage = tuple(state.get("lineage", self.lineage))
         self.most_participants = max(self.most_participants, int(state.get("most_participants", 0)))
@@ -694,6 +707,11 @@ class ElasticRunner(OuterRunner):
             params.copy_(values)
         own = round_.hand_over
         round_.hand_over = HandOver(0, 0.0, step_seconds, own.stop, own.finishing)
+
+
+_MISFIT = ("the replica groups are laid out differently (this rank's blocks of the parameters differ from its equal "
+           "ranks' in the other groups): every group needs the same model, the same number of ranks and the same "
+           "inner sharding (FSDP2 / TP plan)")
 
 
 def _next_lineage(lineage: tuple[int, int], quorum: Quorum) -> tuple[int, int]:

@@ -33,7 +33,13 @@ from acco.runner import LaneWork, step_shard
 from acco.sharding import ShardedGroup
 from acco.telemetry import RoundStats
 
-__all__ = ["FixedRunner", "OuterRound", "OuterRunner", "OuterShard", "Seating"]
+__all__ = ["FixedRunner", "OuterRound", "OuterRunner", "OuterShard", "RoundRefused", "Seating"]
+
+
+class RoundRefused(ValueError):
+    """What every participant of an outer round finds alike and no later round would change
+    (replica groups laid out differently): the round fails with it on every participant,
+    rather than being dropped and tried again."""
 
 
 @dataclass(kw_only=True)
@@ -127,7 +133,7 @@ class OuterRunner(LaneWork):
         except Exception as error:
             raise self._failed(round_, error) from error
         stats.update_weight = float(seating.replicas)
-        succeeded = True
+        succeeded, refused = True, None
         try:
             nonfinite, round_.report = self._exchange(seating, round_)
             stats.replicas, stats.global_weight = round_.report, sum(round_.report.weights)
@@ -152,15 +158,19 @@ class OuterRunner(LaneWork):
                     received += seating.legs.gather(seating.comm, shard.place, number, shard.master, shard.copies,
                                                     shard.out)  # fmt: skip
             stats.collective_bytes = sent + received + self._after_gather(seating, round_)
-        except FloatingPointError as error:  # nonfinite="raise": the same report on every participant
-            raise self._failed(round_, error) from error
+        except (FloatingPointError, RoundRefused) as error:
+            # The same on every participant (NaN or inf with nonfinite="raise"): the round fails
+            # everywhere, after the agreement (no participant leaves while another still exchanges).
+            succeeded, refused = False, error
         except Exception as error:
             self._legs_failed(round_, error)
             succeeded = False
         try:
             committed = self._agree(seating, succeeded)
         except Exception as error:
-            raise self._failed(round_, error) from error
+            raise self._failed(round_, refused or error) from (refused or error)
+        if refused is not None:
+            raise self._failed(round_, refused) from refused
         self._land(seating, round_, committed)
         record.lane_end(stats)
         return stats

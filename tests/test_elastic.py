@@ -103,25 +103,33 @@ def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = N
                  checkpoint: tuple[str, str, int] | None = None) -> list[tuple]:
     """Both replica groups in processes of their own, an in-process lighthouse: each one's
     (parameters, [(participants, dropped)] per round, outer rounds)."""
+    runs = [lambda address, results, i=i: (replica_rank, (i, address, steps, results, fail_at, miss_at, checkpoint))
+            for i in range(2)]  # fmt: skip
+    outcome = dict((r[0], r[1:]) for r in with_lighthouse(runs, timeout=150))
+    for index in range(2):
+        assert not isinstance(outcome[index][0], str), outcome[index][0]
+    return [({k: torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for k, (b, shape) in p.items()},
+             after_join(rounds), count) for p, rounds, count in (outcome[0], outcome[1])]
+
+
+def with_lighthouse(runs: list, timeout: float) -> list:
+    """One process per entry of ``runs`` (each gives ``(target, args)`` from the lighthouse's
+    address and the results queue) beside an in-process lighthouse; what they put, one each."""
     server = lighthouse()
     context = fork_server()  # new processes that skip the seconds of importing torch
     results = context.Queue()
-    processes = [context.Process(target=replica_rank, args=(i, server.address(), steps, results, fail_at, miss_at,
-                                                            checkpoint)) for i in range(2)]  # fmt: skip
+    processes = [context.Process(target=target, args=args)
+                 for target, args in (run(server.address(), results) for run in runs)]  # fmt: skip
     try:
         for process in processes:
             process.start()
-        outcome = dict((r[0], r[1:]) for r in (results.get(timeout=150) for _ in processes))
+        return [results.get(timeout=timeout) for _ in processes]
     finally:
         for process in processes:
             process.join(timeout=20)
             if process.is_alive():
                 process.kill()
         server.shutdown()
-    for index in range(2):
-        assert not isinstance(outcome[index][0], str), outcome[index][0]
-    return [({k: torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for k, (b, shape) in p.items()},
-             after_join(rounds), count) for p, rounds, count in (outcome[0], outcome[1])]
 
 
 def after_join(rounds: list[tuple]) -> list[tuple]:
@@ -157,6 +165,33 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
     assert count0 == count1 == 3
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
+
+
+def misfit_rank(index: int, address: str, results) -> None:  # type: ignore[no-untyped-def]
+    """A replica group whose model is laid out unlike the other's (another hidden size)."""
+    from acco.elastic import TorchFT
+
+    torch.set_num_threads(1)
+    membership = TorchFT.connect(f"replica-{index}", lighthouse=address, start_with=2, hostname="localhost",
+                                 timeout=datetime.timedelta(seconds=5), quorum_timeout=datetime.timedelta(seconds=5))
+    try:
+        cls, hp = OPTIMIZERS["adamw"]
+        AccoOptimizer(make_model(hidden=7 + index), cls, mode="local", membership=membership, sync_delay=0,
+                      timeout=datetime.timedelta(seconds=20), **hp)  # fmt: skip
+        results.put((index, "constructed"))
+    except Exception as error:
+        results.put((index, str(error)))
+    membership.close()
+
+
+def test_groups_laid_out_differently_raise_naming_it() -> None:
+    """Two groups whose models differ: at the join torchft heals one from the other (its first
+    step), which refuses the peer's state naming the cause; the other group then waits for a
+    second group until its quorum timeout and raises too. Neither trains."""
+    runs = [lambda address, results, i=i: (misfit_rank, (i, address, results)) for i in range(2)]
+    outcome = dict(with_lighthouse(runs, timeout=60))
+    assert "constructed" not in outcome.values(), outcome
+    assert any("laid out differently" in message for message in outcome.values()), outcome
 
 
 def test_an_elastic_job_stopped_and_resumed_from_its_checkpoints_is_the_uninterrupted_run(tmp_path) -> None:

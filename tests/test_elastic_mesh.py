@@ -22,9 +22,9 @@ pytest.importorskip("torchft")
 
 from acco import AccoOptimizer  # noqa: E402
 from tests.helpers import assert_params_close, assert_params_equal  # noqa: E402
-from tests.ranks import free_port, fork_server, run_fresh  # noqa: E402
+from tests.ranks import free_port, run_fresh  # noqa: E402
 from tests.reference import OPTIMIZERS, loss_fn  # noqa: E402
-from tests.test_elastic import lighthouse  # noqa: E402
+from tests.test_elastic import with_lighthouse  # noqa: E402
 from tests.test_mesh import S, build, data_of, full_params  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -96,22 +96,10 @@ def elastic_rank(inner: str, address: str, group: int, port: int, rank: int, res
 def run_elastic(inner: str, checkpoint: tuple[str, str, int] | None = None) -> dict[tuple[int, int], tuple]:
     """2 replica groups of S ranks, each group with its own process group: (group, rank) ->
     (whole parameters, rounds)."""
-    server = lighthouse()
-    context = fork_server()
-    results = context.Queue()
     ports = [free_port() for _ in range(2)]
-    processes = [context.Process(target=elastic_rank, args=(inner, server.address(), g, ports[g], r, results, checkpoint))
-                 for g in range(2) for r in range(S)]  # fmt: skip
-    try:
-        for process in processes:
-            process.start()
-        outcome = {(g, r): rest for g, r, *rest in (results.get(timeout=200) for _ in processes)}
-    finally:
-        for process in processes:
-            process.join(timeout=20)
-            if process.is_alive():
-                process.kill()
-        server.shutdown()
+    runs = [lambda address, results, g=g, r=r: (elastic_rank, (inner, address, g, ports[g], r, results, checkpoint))
+            for g in range(2) for r in range(S)]  # fmt: skip
+    outcome = {(g, r): rest for g, r, *rest in with_lighthouse(runs, timeout=200)}
     for key, (params, _) in outcome.items():
         assert not isinstance(params, str), (key, params)
     return {key: ({k: torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for k, (b, shape) in p.items()},
