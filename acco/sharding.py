@@ -163,7 +163,9 @@ class ShardedGroup:
 
     With one rank there is nothing to communicate and the round's buffer keeps the
     (unaveraged) gradient sum: ``grad_shard`` is the whole round buffer, and
-    ``master_grad`` and ``gathered`` (= ``gather_input``) are separate buffers.
+    ``master_grad`` and ``gathered`` (= ``gather_input``) are separate buffers; but a group
+    that keeps no master (``master=False``: an elastic replica's, whose outer round reads its
+    hand-over only before it writes the new global values) gathers into its round buffer.
 
     ``master`` (``plan.chunk`` long, fp32, fp64 for fp64 parameters) is this rank's shard
     of the parameters; ``master_views`` are the tensors the base optimizer sees. With
@@ -242,7 +244,7 @@ class ShardedGroup:
         if master and not (self.multi_rank and self.reduce_dtype == self.master_dtype):
             self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
         self._gathered: Tensor | None = None
-        if not self.multi_rank or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
+        if (not self.multi_rank and master) or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
             self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
         # Views of master (distinct tensors, also in the flat layout) that the base optimizer
         # is built on; point_master_views() may move them to a workspace for one update.

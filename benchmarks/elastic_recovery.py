@@ -8,7 +8,8 @@ and reports per run, from the replicas' jsonl records:
 
 - detect: seconds from the kill to the survivor's first round without it;
 - rejoin: seconds from the kill to the restarted replica's first round (restart and heal included);
-- alone: the survivor's inner steps while replica 1 was gone;
+- alone: the survivor's inner steps in the rounds it landed alone after the kill; dropped: its
+  rounds dropped after the kill (a peer lost inside one);
 - the held-out loss of the final global values against the uninterrupted run's (same inner steps);
 - bytes: an outer round's bytes per replica (2 groups, and 1; per rank of a group), and the
   bytes a heal moves per rank: the serialized size of what a peer's equal rank sends (its blocks
@@ -81,12 +82,16 @@ def run(directory: Path, steps: int, kill_after: float | None, seed: int, ranks:
         "same_final": (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text(),
         "round_bytes": {str(p): statistics.median(r["bytes"] for r in rounds if r["participants"] == p)
                         for p in sorted({r["participants"] for r in rounds})},
-        "alone_steps": 10 * sum(1 for r in rounds if r["participants"] == 1),
+        "alone_steps": 0,
         "dropped_rounds": sum(1 for r in rounds if r["dropped"]),
     }  # fmt: skip
     if killed_at is not None:
-        alone = [r for r in rounds if r["participants"] == 1]
+        # From the kill on (a group that started first may have tried its join alone before).
+        after = [r for r in rounds if r["time"] >= killed_at]
+        alone = [r for r in after if r["participants"] == 1 and not r["dropped"]]
         restarted = [r for r in other if not r.get("final") and r["pid"] != other[0]["pid"]]
+        result["alone_steps"] = sum(r["steps"][0] for r in alone if r.get("steps"))
+        result["dropped_rounds"] = sum(1 for r in after if r["dropped"])
         result["detect_seconds"] = alone[0]["time"] - killed_at if alone else None
         result["rejoin_seconds"] = restarted[0]["time"] - killed_at if restarted else None
     return result
