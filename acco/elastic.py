@@ -327,7 +327,11 @@ class ElasticRunner(OuterRunner):
     """
 
     max_failed_rounds = 3
-    finish_poll_seconds = 0.1  # between finish()'s rounds while a group of the job is not there
+    # finish()'s rounds while a group of the job is not there start at wall-clock multiples of
+    # this: the finishing groups ask for their quorum at the same instants (a round with some of
+    # them only, then one with the rest, would otherwise rotate: torchft's lighthouse issues a
+    # quorum as soon as the last one's members ask, and a group left out of it is already waiting).
+    finish_poll_seconds = 0.25
 
     def __init__(
         self,
@@ -374,7 +378,8 @@ class ElasticRunner(OuterRunner):
         stats, record = round_.stats, self._recorder
         self._round = round_
         if round_.hand_over.finishing and self._finishing_since is not None:
-            time.sleep(self.finish_poll_seconds)  # finish() waits for a group of the job: no busy loop of rounds
+            period = self.finish_poll_seconds  # finish() waits for a group of the job: a rendezvous, not a busy loop
+            time.sleep(period - time.time() % period)
         with record.phase(stats, "quorum"):
             quorum = self._membership.start_round()
         self.replica, self.replicas = quorum.replica, quorum.replicas

@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--hostname", default=None, help="this machine's address as the other replica groups reach it")
     add("--min-replicas", type=int, default=1, help="replica groups a round needs to land")
     add("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout: how fast a loss is seen")
+    add("--join-ms", type=int, default=500, help="the lighthouse's join timeout: how long a round waits for a live "
+        "group that has not asked yet (longer than finish()'s rounds, 0.25 s apart, or they rotate without one)")  # fmt: skip
     add("--sync-every", type=int, default=10)
     add("--outer-bits", type=int, default=4)
     add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
@@ -308,7 +310,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every quorum at INFO
         from torchft.coordination import LighthouseServer
 
-        lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas, join_timeout_ms=100,
+        lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=args.min_replicas, join_timeout_ms=args.join_ms,
                                       quorum_tick_ms=50, heartbeat_timeout_ms=args.heartbeat_ms)  # fmt: skip
     finished: set[int] = set()
     came_back: set[int] = set()
