@@ -103,7 +103,7 @@ class Seating:
     replica: int
     replicas: int
     comm: Any
-    legs: PlainLegs | QuantizedLegs
+    legs: PlainLegs | QuantizedLegs | None  # (an elastic round lays them after its exchange)
     shards: list[OuterShard]
     gathers_unchanged: bool = True
     context: Any = None

@@ -331,9 +331,13 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                     print(f"replica {index} came back to a finished job: the result is the others'", flush=True)
                 elif starts[index] < args.max_restarts:
                     starts[index] += 1
+                    # A group that died before it joined the job (e.g. its port taken meanwhile)
+                    # starts as new again: only a group that trained must heal from a peer.
+                    joined = training(index)
                     print(f"replica {index} died (exit code {code}): restart {starts[index]}"
-                          + (" (all its ranks)" if args.nproc_per_replica > 1 else ""), flush=True)
-                    running[index] = restart(index, starts[index])
+                          + (" (all its ranks)" if args.nproc_per_replica > 1 else "")
+                          + ("" if joined else ", as new (it had not joined the job)"), flush=True)
+                    running[index] = restart(index, starts[index] if joined else 0)
                 else:
                     print(f"replica {index} died (exit code {code}) and is not restarted", flush=True)
             if args.warm_spares and not spares and running and all(training(index) for index in running):
