@@ -13,7 +13,9 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
   the options for tensor parallelism), a random rank of group 1 killed (SIGKILL) at a random point
   (run n: random.Random(n)): the launcher restarts the whole group, which heals from group 0.
   Each run is also checked against an uninterrupted run of the same job (run once first): group 1
-  restarted, and the held-out loss within 2% of the uninterrupted one.
+  restarted, and the held-out loss within 2% of the uninterrupted one. 400 inner steps: at 200,
+  a group of 2 ranks out for its restart (about 6 s here) is an eighth of the run, and 1 of 6
+  runs ended 2.3% above (results/elastic_stress-rank-kill-200steps.log).
 
     pip install -e '.[ft]'
     python benchmarks/elastic_stress.py --scenarios pause hogs late-kill --runs 20
@@ -48,7 +50,7 @@ SCENARIOS = {
     "pause": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "hogs": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "late-kill": ["--replicas", "2", "--steps", "400"],
-    "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "200",
+    "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "400",
                   "--step-seconds", "0.02", "--sync-every", "10"],
 }
 LOSS_TOLERANCE = 0.02  # rank-kill: the held-out loss within 2% of the uninterrupted run's
