@@ -558,7 +558,7 @@ class ElasticRunner(OuterRunner):
         gives_up = own.finishing and time.monotonic() - self._finishing_since > self._membership.finish_timeout
         quick = self._nonfinite_flag(round_.params)
         if self._replica_size == 1:
-            return own, bool(quick.item()) and self._exact_nonfinite(round_.params), gives_up
+            return own, bool(quick.item()) and self._confirm_nonfinite(round_.params) > 0, gives_up
         fields, ranks, rank = 6, self._mesh_comm.world_size, self._mesh_comm.rank
         flags = torch.zeros(1 + fields * ranks, dtype=torch.float64, device=quick.device)
         flags[1 + fields * rank : 1 + fields * (rank + 1)] = torch.tensor(
@@ -567,15 +567,9 @@ class ElasticRunner(OuterRunner):
         self._mesh_comm.all_reduce_sum_(flags)
         flags = flags.cpu()
         rows = flags[1:].view(ranks, fields).tolist()
-        agreed = HandOver(int(rows[0][0]), rows[0][1], max(row[2] for row in rows), any(row[3] for row in rows),
-                          any(row[4] for row in rows))  # fmt: skip
+        agreed = HandOver.of_ranks([row[:5] for row in rows])
         nonfinite = bool(flags[0]) and self._confirm_nonfinite(round_.params) > 0  # over the group's ranks
         return agreed, nonfinite, any(row[5] for row in rows)
-
-    @staticmethod
-    def _exact_nonfinite(params: Sequence[Tensor]) -> bool:
-        """Whether some element really is NaN or inf (a sum may overflow on finite values)."""
-        return bool(torch.stack([(~torch.isfinite(t)).any() for t in params]).any().item())
 
     def _heal_by_content(self, quorum: Quorum, peers: list[_Peer], followers: list[int], round_: Any) -> None:
         """The newest lineage's global values to the participants of older ones (sent by the

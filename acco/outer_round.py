@@ -309,14 +309,7 @@ class FixedRunner(OuterRunner):
             for rank in range(ranks):
                 entry = values[1 + self._FIELDS * rank : 1 + self._FIELDS * (rank + 1)]
                 entries.setdefault(int(entry[0]), []).append(entry[1:])
-            by_replica = [entries[replica] for replica in range(self.replicas)]
-            report = ReplicaReport(
-                steps=tuple(int(ranks_of[0][0]) for ranks_of in by_replica),
-                weights=tuple(ranks_of[0][1] for ranks_of in by_replica),
-                step_seconds=tuple(max(entry[2] for entry in ranks_of) for ranks_of in by_replica),
-                stop=tuple(any(entry[3] for entry in ranks_of) for ranks_of in by_replica),
-                finishing=tuple(any(entry[4] for entry in ranks_of) for ranks_of in by_replica),
-            )
+            report = ReplicaReport.of([HandOver.of_ranks(entries[replica]) for replica in range(self.replicas)])
             nonfinite = self._confirm_nonfinite(params) if values[0] else 0
         return nonfinite, report
 

@@ -33,6 +33,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -90,6 +91,14 @@ class HandOver:
     stop: bool = False
     finishing: bool = False
 
+    @classmethod
+    def of_ranks(cls, entries: Sequence[Sequence[float]]) -> HandOver:
+        """A replica group's hand-over from each of its ranks' ``[steps, weight, step_seconds,
+        stop, finishing]`` (rank order): its first rank's steps and weight (its ranks pass the
+        same), its slowest rank's seconds per step, a stop or a finish any rank asks for."""
+        return cls(int(entries[0][0]), entries[0][1], max(entry[2] for entry in entries),
+                   any(entry[3] for entry in entries), any(entry[4] for entry in entries))  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ReplicaReport:
@@ -101,6 +110,13 @@ class ReplicaReport:
     step_seconds: tuple[float, ...]
     stop: tuple[bool, ...]
     finishing: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, hand_overs: Sequence[HandOver]) -> ReplicaReport:
+        """The report of these hand-overs, in replica order."""
+        return cls(tuple(h.steps for h in hand_overs), tuple(h.weight for h in hand_overs),
+                   tuple(h.step_seconds for h in hand_overs), tuple(h.stop for h in hand_overs),
+                   tuple(h.finishing for h in hand_overs))  # fmt: skip
 
     def factors(self, weighting: Weighting) -> list[float] | None:
         """Each replica's pseudo-gradient's factor in the mean over replicas (they sum to the
