@@ -42,12 +42,13 @@ restarted group that finds no peer at all (the job has ended) raises :class:`NoP
 
 from __future__ import annotations
 
+import collections
 import copy
-import dataclasses
 import datetime
 import hashlib
 import logging
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -119,6 +120,11 @@ class TorchFT:
         finish_timeout: the most ``finish()`` waits for a group of the job that is not there
             (restarting, or gone for good) before the groups present end without it (default:
             the quorum timeout).
+        grace: how long a round waits, from its first quorum, for a group of the participants'
+            last round that has not handed over yet: ``"adaptive"`` (the default: a few times
+            the measured spread of hand-over times, :attr:`ElasticRunner.grace_factor`) or a
+            number of seconds. A group later than that is left out of the round and keeps its
+            progress: its inner steps count in its next round.
 
     Example::
 
@@ -128,7 +134,9 @@ class TorchFT:
 
     def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1, must_heal: bool = False,
                  collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
-                 finish_timeout: datetime.timedelta | None = None) -> None:  # fmt: skip
+                 finish_timeout: datetime.timedelta | None = None, grace: float | str = "adaptive") -> None:  # fmt: skip
+        if grace != "adaptive" and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0):
+            raise ValueError(f"Invalid grace: {grace!r} (\"adaptive\" or seconds >= 0)")
         if isinstance(start_with, bool) or not isinstance(start_with, int) or start_with < 1:
             raise ValueError(f"Invalid start_with: {start_with!r} (an int >= 1: replica groups the first round waits for)")
         if getattr(manager, "_use_async_quorum", False):
@@ -139,6 +147,7 @@ class TorchFT:
         self.collective_timeout = collective_timeout
         self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
         self._finish_timeout = finish_timeout
+        self.grace = grace
         self._healed = threading.Event()
         self._first = True
         self._waiting_since: float | None = None
@@ -158,6 +167,7 @@ class TorchFT:
         hostname: str | None = None,
         heartbeat_interval: datetime.timedelta = datetime.timedelta(milliseconds=100),
         finish_timeout: datetime.timedelta | None = None,
+        grace: float | str = "adaptive",
     ) -> TorchFT:
         """This rank's membership of its replica group: torchft's gloo process group and a
         Manager reaching the lighthouse at ``lighthouse`` (default: ``$TORCHFT_LIGHTHOUSE``).
@@ -181,6 +191,8 @@ class TorchFT:
                 lighthouse's heartbeat timeout. A quorum that times out ends the Manager.
             hostname: this machine's address as the other groups reach it (default: its name).
             finish_timeout: see the class (default: ``quorum_timeout``).
+            grace: see the class. The lighthouse's own join timeout (``--join_timeout_ms``) is
+                the least a round waits for a live group that has not asked: keep it short.
         """
         import torch.distributed as dist
         from torch.distributed import TCPStore
@@ -203,7 +215,7 @@ class TorchFT:
             connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
         )  # fmt: skip
         membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout,
-                         finish_timeout=finish_timeout)  # fmt: skip
+                         finish_timeout=finish_timeout, grace=grace)  # fmt: skip
         membership.quorum_timeout = quorum_timeout
         membership._owned = [manager] + ([store] if store is not None else [])
         return membership
@@ -219,12 +231,14 @@ class TorchFT:
         after the membership): what :class:`acco.local.LocalLoop` runs on its comm lane."""
         return ElasticRunner(self, *args)
 
-    def bind(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]) -> None:
-        """What a restarted replica group takes from a peer (:meth:`start_round` heals it)."""
+    def bind(self, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], bool]) -> None:
+        """What a replica group behind takes from a peer (:meth:`start_round` heals it);
+        ``load_state_dict`` returns whether it replaced this group's state (a restarted group)
+        rather than carrying its progress onto the peer's global values (a late one)."""
 
         def load(state: Any) -> None:
-            load_state_dict(state)
-            self._healed.set()
+            if load_state_dict(state):
+                self._healed.set()
 
         self.manager.register_state_dict_fn("acco", load, state_dict)
 
@@ -332,6 +346,10 @@ class ElasticRunner(OuterRunner):
     # them only, then one with the rest, would otherwise rotate: torchft's lighthouse issues a
     # quorum as soon as the last one's members ask, and a group left out of it is already waiting).
     finish_poll_seconds = 0.25
+    # The adaptive grace window: this many times the median spread of the last rounds' hand-over
+    # times (the last participant's lateness), at least grace_floor seconds, at most grace_cap.
+    grace_factor, grace_floor, grace_cap, grace_rounds = 3.0, 0.05, 10.0, 8
+    grace_poll_seconds = 0.02  # between two asks for a quorum while the grace window is open
 
     def __init__(
         self,
@@ -367,6 +385,11 @@ class ElasticRunner(OuterRunner):
         self._finishing_since: float | None = None
         self._failures: list[Exception] = []  # this replica's own failed rounds in a row
         self._peers: list[_Peer] = []  # what the last round's exchange said of its participants
+        self._carried = False  # this quorum's heal carried this group's progress (a late group)
+        self._landed = False  # a round landed on this process's state (or a checkpoint restored it): its progress is its own
+        self._last_participants = 0  # the participants of the last round this group landed
+        self._spreads: collections.deque[float] = collections.deque(maxlen=self.grace_rounds)
+        self._handed_over_at = self._first_quorum_at = 0.0
         self.replica, self.replicas = 0, 1
         self.place = [0, 1]  # a residual is this replica's own (a checkpoint of one group's rank)
 
@@ -375,35 +398,50 @@ class ElasticRunner(OuterRunner):
     def _seat(self, round_: Any) -> Seating:
         """The quorum (a restarted replica group heals inside it) and this replica's epoch; the
         legs and shards follow the exchange (a heal by content may rebuild the epoch)."""
-        stats, record = round_.stats, self._recorder
         self._round = round_
         if round_.hand_over.finishing and self._finishing_since is not None:
             period = self.finish_poll_seconds  # finish() waits for a group of the job: a rendezvous, not a busy loop
             time.sleep(period - time.time() % period)
-        with record.phase(stats, "quorum"):
+        self._handed_over_at = time.monotonic()
+        seating = Seating(0, 1, None, None, [], gathers_unchanged=False)
+        self._ask(seating, round_)
+        self._first_quorum_at = time.monotonic()
+        return seating
+
+    def _ask(self, seating: Seating, round_: Any) -> None:
+        """This round's quorum (a restarted replica group heals inside it, a late one takes the
+        global values with its progress carried onto them) and this replica's epoch, into
+        ``seating``."""
+        self._carried = False
+        with self._recorder.phase(round_.stats, "quorum"):
             quorum = self._membership.start_round()
         self.replica, self.replicas = quorum.replica, quorum.replicas
-        self._epoch_for(quorum)
-        return Seating(quorum.replica, quorum.replicas, quorum.collectives, None, [], gathers_unchanged=False,
-                       context=quorum)  # fmt: skip
+        self._epoch_for(quorum, rebuild=self._carried, keep_residuals=self._carried)
+        round_.stats.content_heal = round_.stats.content_heal or self._carried
+        seating.replica, seating.replicas, seating.comm, seating.context = (quorum.replica, quorum.replicas,
+                                                                             quorum.collectives, quorum)  # fmt: skip
 
     def _exchange(self, seating: Seating, round_: Any) -> tuple[int, ReplicaReport]:
-        """Every participant's hand-over; where some were left out of a round the others
-        landed, the heal by content (they take the newest global values and hand over
-        nothing); then the round's legs and this rank's shards of the epoch."""
-        stats, record, quorum = round_.stats, self._recorder, seating.context
-        with record.phase(stats, "totals"):
-            nonfinite, report, self._peers = self._exchange_hand_overs(quorum, round_)
-        peers = self._peers
+        """Every participant's hand-over, asked again while a group of the participants' last
+        round is missing and the grace window is open; where some were left out of a round the
+        others landed, the heal by content (they take the newest global values, their own
+        progress carried onto them); then the round's legs and this rank's shards of the epoch."""
+        stats, record = round_.stats, self._recorder
+        while True:
+            with record.phase(stats, "totals"):
+                nonfinite, report, self._peers, waits = self._exchange_hand_overs(seating.context, round_)
+            if not waits:
+                break
+            time.sleep(self.grace_poll_seconds)  # the missing group may ask meanwhile: the lighthouse adds it
+            self._ask(seating, round_)
+        quorum, peers = seating.context, self._peers
         followers = [r for r, peer in enumerate(peers) if peer.lineage != max(p.lineage for p in peers)]
         if followers:  # some participant was left out of a round the others landed
             with record.phase(stats, "heal"):
                 self._heal_by_content(quorum, peers, followers, round_)
             stats.content_heal = quorum.replica in followers
             if stats.content_heal:
-                self._epoch_for(quorum, rebuild=True)
-            report = dataclasses.replace(report, steps=tuple(0 if r in followers else n for r, n in enumerate(report.steps)),
-                                         weights=tuple(0.0 if r in followers else w for r, w in enumerate(report.weights)))  # fmt: skip
+                self._epoch_for(quorum, rebuild=True, keep_residuals=True)
         copies = self._copies()
         seating.legs = QuantizedLegs(self._codec, copies, self._residuals)
         seating.shards = [self._shard(number, group, copy.clone(), round_.params[number])
@@ -453,12 +491,14 @@ class ElasticRunner(OuterRunner):
                 self._relay(shard.out, shard.place.plan, group.gathered, group.plan)
             self.lineage = _next_lineage(self.lineage, quorum)
             self.most_participants = max(self.most_participants, quorum.replicas)
+            self._landed, self._last_participants = True, quorum.replicas
+            stats.counted = 0 if stats.skipped else round_.report.steps[quorum.replica]
             # The job ends on a round every participant finishes in, with every group the job had
             # (or after a participant's finish_timeout): the same decision on every participant.
             self.ends_job = all(round_.report.finishing) and (
                 quorum.replicas >= max(peer.expected for peer in self._peers) or any(peer.gives_up for peer in self._peers))
         else:
-            stats.dropped = True
+            stats.dropped, stats.counted = True, 0
             self._epoch = None  # a master may have stepped: the next round rebuilds from the global values
             for residual in self._residuals or []:
                 residual.zero_()
@@ -488,6 +528,7 @@ class ElasticRunner(OuterRunner):
         participants, and rebuilds from the global values otherwise)."""
         self.lineage = (int(saved["lineage"][0]), int(saved["lineage"][1]))
         self.most_participants = int(saved["most_participants"])
+        self._landed = True
         device = self._groups[0].device
         if saved["residuals"] is not None and self._residuals is not None:
             self._residuals = [r.to(device=device, dtype=torch.float32).clone() for r in saved["residuals"]]
@@ -521,30 +562,52 @@ class ElasticRunner(OuterRunner):
 
     # ------------------------------------------------------------------------- the parts
 
-    def _exchange_hand_overs(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer]]:
-        """Every participant's hand-over and non-finite flag, and what only elastic rounds need
-        of each (:class:`_Peer`), in one all-reduce (each rank with the equal ranks of the other
-        groups, every rank of a group saying what its group agreed: the same on all of them)."""
+    def _exchange_hand_overs(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer], bool]:
+        """Every participant's hand-over and non-finite flag, what only elastic rounds need of
+        each (:class:`_Peer`), and whether to ask for the quorum again (the grace window: the
+        same decision on every participant, from what they all sent), in one all-reduce (each
+        rank with the equal ranks of the other groups, every rank of a group saying what its
+        group agreed: the same on all of them)."""
         own, nonfinite, gives_up = self._group_hand_over(round_)
-        fields, device = 10, self._groups[0].device
+        fields, device, now = 14, self._groups[0].device, time.monotonic()
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
-             gives_up, self._layout], dtype=torch.float64)  # fmt: skip
+             gives_up, self._layout, self._last_participants, now - self._handed_over_at, now - self._first_quorum_at,
+             self.grace()], dtype=torch.float64)  # fmt: skip
         flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
         rows = flags[1:].view(quorum.replicas, fields).tolist()
         if len({row[9] for row in rows}) != 1:
             raise RoundRefused(_MISFIT)
+        # A group of the participants' last round has not asked yet (late, or gone): ask again
+        # while the window opened by this round's first quorum lasts (the lighthouse adds a
+        # group that asked meanwhile to the next quorum at once).
+        missing = quorum.replicas < max(row[10] for row in rows)
+        if missing and max(row[12] for row in rows) < max(row[13] for row in rows):
+            return 0, None, [], True  # type: ignore[return-value]
+        if quorum.replicas > 1:  # how late the last participant handed over (this round's spread)
+            self._spreads.append(max(row[11] for row in rows) - min(row[11] for row in rows))
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
             finishing=tuple(bool(row[4]) for row in rows),
         )  # fmt: skip
         peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8])) for row in rows]
-        return int(flags[0].item()), report, peers
+        return int(flags[0].item()), report, peers, False
+
+    def grace(self) -> float:
+        """Seconds a round waits, from its first quorum, for a missing group of the last round:
+        the membership's ``grace``, or (``"adaptive"``) :attr:`grace_factor` times the median
+        spread of the last :attr:`grace_rounds` rounds' hand-over times, within
+        [:attr:`grace_floor`, :attr:`grace_cap`]."""
+        fixed = self._membership.grace
+        if fixed != "adaptive":
+            return float(fixed)
+        spread = statistics.median(self._spreads) if self._spreads else 0.0
+        return min(self.grace_cap, max(self.grace_floor, self.grace_factor * spread))
 
     def _group_hand_over(self, round_: Any) -> tuple[HandOver, bool, bool]:
         """What this replica group hands over, agreed by its ranks (one all-reduce over the
@@ -574,35 +637,45 @@ class ElasticRunner(OuterRunner):
     def _heal_by_content(self, quorum: Quorum, peers: list[_Peer], followers: list[int], round_: Any) -> None:
         """The newest lineage's global values to the participants of older ones (sent by the
         first participant holding it, as an all-reduce in which the others add zeros): those
-        take them as their global values and parameters, and their hand-over becomes them,
-        with no weight (their part of the outer state is rebuilt from them)."""
+        take them, their own progress carried onto them (their part of the outer state is
+        rebuilt from them)."""
         newest = max(peer.lineage for peer in peers)
         source = next(r for r, peer in enumerate(peers) if peer.lineage == newest)
         follower = quorum.replica in followers
-        for group, values in zip(self._groups, self._global_values):
+        newest_values = []
+        for values in self._global_values:
             sent = values.clone() if quorum.replica == source else torch.zeros_like(values)
             quorum.collectives.all_reduce_sum_(sent)
-            if follower:
-                values.copy_(sent)
-                group.load_params(values)
+            newest_values.append(sent)
         if not follower:
             return
-        _log.warning("elastic outer round %d: this replica group's global values were not the round's (it missed a "
-                     "round the others landed): it takes theirs; its inner steps since its last round are lost",
-                     round_.stats.index)  # fmt: skip
-        # (Its residuals restart with its outer state: _epoch_for(rebuild=True).)
-        self._hand_over_global_values(round_, round_.hand_over.step_seconds)
+        _log.info("elastic outer round %d: this replica group missed a round the others landed: it takes their global "
+                  "values, its own progress carried onto them", round_.stats.index)  # fmt: skip
+        self._carry(round_, newest_values)
         self.lineage = newest
 
-    def _epoch_for(self, quorum: Quorum, rebuild: bool = False) -> _Epoch:
+    def _carry(self, round_: Any, newest: Sequence[Tensor]) -> None:
+        """A late replica group takes the newest global values and keeps its progress: its
+        parameters (live, and this round's hand-over) move by as much as the global values do,
+        so its pseudo-gradient is what it trained since the global values it started from, and
+        its hand-over (its inner steps and tokens since its last landed round) counts whole."""
+        with torch.no_grad():
+            for group, params, values, new in zip(self._groups, round_.params, self._global_values, newest):
+                new = new.to(device=values.device, dtype=values.dtype)
+                params.add_(new - values)
+                values.copy_(new)
+                group.load_params(params)
+
+    def _epoch_for(self, quorum: Quorum, rebuild: bool = False, keep_residuals: bool = False) -> _Epoch:
         """This replica's chunk of the outer state for the round's participants: kept while they
         stay the same; otherwise what it owned of its new chunk kept, the rest rebuilt from the
         global values with the outer optimizer's state zero (all of it after a heal, a heal by
-        content (``rebuild``) or a dropped round)."""
+        content (``rebuild``) or a dropped round). The residuals restart with a heal, unless
+        ``keep_residuals`` (a late group's own, carried with its progress)."""
         old = None if quorum.healed or rebuild else self._epoch
         if old is not None and (old.replica, old.replicas) == (quorum.replica, quorum.replicas):
             return old
-        if self._residuals is not None and (quorum.healed or rebuild):
+        if self._residuals is not None and (quorum.healed or rebuild) and not keep_residuals:
             for residual in self._residuals:
                 residual.zero_()
         plans = [plan_layout(Layout.FLAT, shapes, quorum.replicas) for shapes in self._shapes]
@@ -683,9 +756,12 @@ class ElasticRunner(OuterRunner):
         return {**self._heal_state(), "lineage": list(self.lineage), "most_participants": self.most_participants,
                 "layout": self._layout}
 
-    def _heal(self, state: dict[str, Any]) -> None:
-        """A peer's state, taken inside the quorum (this replica was behind): the loop takes it,
-        and this round's hand-over becomes the global values themselves, with no weight.
+    def _heal(self, state: dict[str, Any]) -> bool:
+        """A peer's state, taken inside the quorum (this replica was behind in torchft's step
+        count). A group whose state is its own (it has landed a round in this process: late,
+        a paused process among them) takes only the global values, its progress carried onto
+        them; a restarted one takes the loop's whole state, and this round's hand-over becomes
+        the global values themselves, with no weight. Returns whether the state was replaced.
 
         Raises:
             RoundRefused: the peer's rank holds other blocks than this one (groups laid out
@@ -693,11 +769,17 @@ class ElasticRunner(OuterRunner):
         """
         if state.get("layout", self._layout) != self._layout:
             raise RoundRefused(_MISFIT)
-        self._load_heal_state(state)
-        self.lineage = tuple(state.get("lineage", self.lineage))
+        lineage = tuple(state.get("lineage", self.lineage))
         self.most_participants = max(self.most_participants, int(state.get("most_participants", 0)))
+        if self._landed and self._round is not None:
+            self._carry(self._round, state["global_values"])
+            self.lineage, self._carried = lineage, True
+            return False
+        self._load_heal_state(state)
+        self.lineage = lineage
         if self._round is not None:
             self._hand_over_global_values(self._round, 0.0)
+        return True
 
     def _hand_over_global_values(self, round_: Any, step_seconds: float) -> None:
         """This round's hand-over becomes the global values themselves, with no steps and no

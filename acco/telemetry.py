@@ -73,6 +73,9 @@ class RoundStats:
             replica keeps its parameters; the next round carries its inner steps).
         content_heal: an elastic outer round in which this replica group took the others'
             global values (it had missed a round they landed; :mod:`acco.elastic`).
+        counted: an elastic outer round's count of this replica group's inner steps that its
+            landed update included (0: dropped, skipped, or its steps replaced by a heal);
+            None otherwise.
     """
 
     index: int
@@ -97,6 +100,7 @@ class RoundStats:
     participants: int | None = None
     dropped: bool = False
     content_heal: bool = False
+    counted: int | None = None
     collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)

@@ -21,7 +21,8 @@ equal rank of a peer group.
 Per replica I, ``DIR/replica-I.pid`` holds the pids of its training processes (whitespace-separated,
 rank order; rewritten at each restart), ``DIR/replica-I.jsonl`` one JSON object per outer round (``round``, ``inner_step``,
 ``participants``, ``loss``: the mean training loss of this replica since its last record,
-``dropped``, ``content_heal``, ``seconds``, ``time``) and a last one with ``final`` and ``eval_loss``
+``dropped``, ``content_heal``, ``counted``: this group's inner steps that the round's landed
+update included (0 where it took no part), ``seconds``, ``time``) and a last one with ``final`` and ``eval_loss``
 (the held-out loss of the final global values), ``DIR/replica-I.final`` the sha256 of its final
 whole parameters (the same on every replica), ``DIR/replica-I.log`` its output (every rank's).
 
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--replicas", type=int, default=2, help="replica groups (the first round waits for all of them)")
     add("--steps", type=int, default=300, help="inner steps per replica (stop_after: the same on every replica)")
+    add("--seconds", type=float, default=None, help="stop after this many seconds of training instead (equal time; "
+        "the learning-rate schedule then runs over them, --steps its length in steps)")  # fmt: skip
     add("--log-dir", required=True, help="pid, jsonl, final and log files per replica")
     add("--nproc-per-replica", type=int, default=1, help="ranks per replica group (1: one process each; more: "
         "--inner inside the group, the launcher restarting the whole group when one of its ranks dies)")
@@ -70,8 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--hostname", default=None, help="this machine's address as the other replica groups reach it")
     add("--min-replicas", type=int, default=1, help="replica groups a round needs to land")
     add("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout: how fast a loss is seen")
-    add("--join-ms", type=int, default=500, help="the lighthouse's join timeout: how long a round waits for a live "
-        "group that has not asked yet (longer than finish()'s rounds, 0.25 s apart, or they rotate without one)")  # fmt: skip
+    add("--join-ms", type=int, default=500, help="the lighthouse's join timeout: the least a round waits for a live "
+        "group that has not asked yet (acco's grace window waits longer where the hand-over times spread more)")  # fmt: skip
+    add("--grace", default="adaptive", help="how long a round waits for a group of the last round: 'adaptive' "
+        "(a few times the measured spread of hand-over times) or seconds; 'lockstep': every live group, every round")  # fmt: skip
     add("--sync-every", type=int, default=10)
     add("--outer-bits", type=int, default=4)
     add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
@@ -94,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--slow", default=None, metavar="I:F", help="replica group I sleeps F times --step-seconds per inner step")
     add("--pacing", choices=["speed", "lockstep"], default="speed", help="inner steps per round: by each group's "
         "measured speed (a slower group takes fewer), or sync_every each")  # fmt: skip
+    add("--stall", action="append", default=None, metavar="I:K:T", help="replica group I, at its inner step K, "
+        "sleeps T seconds inside its training loop (alive, heartbeating); repeatable")  # fmt: skip
+    add("--trainer", choices=["acco", "torchft-diloco"], default="acco", help="what each replica group runs: acco's "
+        "elastic local steps, or torchft's own DiLoCo (examples/torchft_diloco.py: the baseline)")  # fmt: skip
     add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
         "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
@@ -103,7 +112,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--warm-spares: replica groups of one process only (a group of several restarts whole)")
     if args.replicas < 1 or args.steps < 1 or not 1 <= args.min_replicas <= args.replicas:
         parser.error("--replicas, --steps >= 1 and 1 <= --min-replicas <= --replicas")
+    if args.grace not in ("adaptive", "lockstep"):
+        try:
+            args.grace = float(args.grace)
+        except ValueError:
+            parser.error(f"--grace: 'adaptive', 'lockstep' or seconds, not {args.grace!r}")
+    try:
+        args.stalls = [(int(i), int(k), float(t)) for i, k, t in (spec.split(":") for spec in args.stall or [])]
+    except ValueError:
+        parser.error(f"--stall: I:K:T (group, inner step, seconds), not {args.stall}")
+    if args.grace == "lockstep":  # the lighthouse waits for every live group (torchft's own join timeout)
+        args.join_ms = 60_000
     return args
+
+
+def stalls_at(args: argparse.Namespace, index: int) -> dict[int, float]:
+    """``--stall``'s seconds to sleep, by inner step, for replica group ``index``."""
+    return {k: t for i, k, t in args.stalls if i == index}
+
+
+def lr_factor(args: argparse.Namespace, schedule, num_updates: int, started_at: float) -> float:  # type: ignore[no-untyped-def]
+    """The schedule's factor now: by inner steps, or (``--seconds``) by the training time spent."""
+    if args.seconds is None:
+        return schedule(num_updates)
+    return schedule(min(args.steps, int(args.steps * (time.perf_counter() - started_at) / args.seconds)))
 
 
 # ------------------------------------------------------------------------- a replica group
@@ -165,6 +197,7 @@ def replica_main(args: argparse.Namespace) -> None:
         start_with=args.replicas if started == 0 else 1, must_heal=started > 0,
         timeout=datetime.timedelta(seconds=args.timeout),
         quorum_timeout=datetime.timedelta(seconds=args.quorum_timeout), hostname=args.hostname,
+        grace=0.0 if args.grace == "lockstep" else args.grace,
     )  # fmt: skip
     if args.die_in_round is not None and started == 0:
         victim, round_ = (int(n) for n in args.die_in_round.split(":"))
@@ -200,7 +233,7 @@ def replica_main(args: argparse.Namespace) -> None:
         for stats in [s for s in opt.round_stats if s.index >= seen]:
             seen = stats.index + 1
             entry = {"round": opt.outer_rounds, "inner_step": opt.num_updates, "participants": stats.participants,
-                     "dropped": stats.dropped, "content_heal": stats.content_heal,
+                     "dropped": stats.dropped, "content_heal": stats.content_heal, "counted": stats.counted,
                      "steps": None if stats.replicas is None else list(stats.replicas.steps), "loss": sum(losses) / len(losses) if losses else None,
                      "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
                      "bytes": stats.collective_bytes}  # fmt: skip
@@ -216,10 +249,14 @@ def replica_main(args: argparse.Namespace) -> None:
     if writes:
         print(f"replica {index} | joined at round {opt.outer_rounds}, inner step {opt.num_updates}", flush=True)
     record_rounds()
-    opt.stop_after(steps=args.steps)
+    opt.stop_after(steps=None if args.seconds else args.steps, seconds=args.seconds)
+    stalls = stalls_at(args, index) if started == 0 else {}
+    started_at = time.perf_counter()
     while not opt.should_stop:
         for group in opt.param_groups:  # the schedule follows the step count (a healed replica takes its peers')
-            group["lr"] = args.lr * schedule(opt.num_updates)
+            group["lr"] = args.lr * lr_factor(args, schedule, opt.num_updates, started_at)
+        if opt.num_updates in stalls:  # --stall: busy elsewhere (an evaluation, a checkpoint), still heartbeating
+            time.sleep(stalls.pop(opt.num_updates))
         for _ in range(args.micro_batches):
             x, y = sample_batch(train_data, args.batch_size, args.seq_len, generator)
             loss = loss_fn(model, x, y)
@@ -409,6 +446,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replica is None:
         sys.exit(launch(args, argv))
+    if args.trainer == "torchft-diloco":
+        from torchft_diloco import replica_main as diloco_main
+
+        diloco_main(args)
+        return
     replica_main(args)
 
 

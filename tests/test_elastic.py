@@ -343,9 +343,9 @@ PACED = ["--replicas", "2", "--steps", "120", "--step-seconds", "0.03", "--micro
          "--timeout", "10", "--quorum-timeout", "60", "--pacing", "speed"]  # after RUN: later options win  # fmt: skip
 
 
-def rate(directory: Path, index: int) -> float:
+def rate(directory: Path, index: int, steps: int = 120) -> float:
     """Replica ``index``'s inner steps per second from its third round to its last regular one."""
-    rounds = [r for r in records(directory, index) if not r.get("final") and r["inner_step"] < 120]
+    rounds = [r for r in records(directory, index) if not r.get("final") and r["inner_step"] < steps]
     first, last = rounds[2], rounds[-1]
     return (last["inner_step"] - first["inner_step"]) / (last["time"] - first["time"])
 
@@ -366,3 +366,56 @@ def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_
     paced = [r for r in records(slow, 0)[3:] if not r.get("final") and r["inner_step"] < 120]
     assert all(r["steps"][0] == 10 and 2 <= r["steps"][1] <= 5 and r["participants"] == 2 for r in paced), paced
     assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
+
+
+# ------------------------------------------- rounds that no group holds (grace window, late groups)
+
+LATE = ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05", "--micro-batches", "1", "--sync-every", "10",
+        "--timeout", "10", "--quorum-timeout", "60", "--pacing", "lockstep"]  # after RUN: later options win  # fmt: skip
+
+
+def check_late_group(directory: Path, baseline: Path) -> None:
+    """Group 2 was late (stalled or paused): groups 0 and 1 kept at least 0.9 of their rate in the
+    run without it, and landed rounds without it meanwhile; group 2's inner steps all counted
+    (``counted`` sums to them: none replaced by a heal); every group ends identical."""
+    finals = {(directory / f"replica-{i}.final").read_text() for i in range(3)}
+    assert len(finals) == 1, finals
+    for index in (0, 1):
+        assert rate(directory, index, 300) >= 0.9 * rate(baseline, index, 300), (rate(directory, index, 300),
+                                                                                   rate(baseline, index, 300))
+        assert sum(1 for r in records(directory, index) if r.get("participants") == 2 and not r["dropped"]) >= 5
+    late = records(directory, 2)
+    assert sum(r["counted"] or 0 for r in late if not r.get("final")) == late[-1]["inner_step"], late
+    assert any(r["content_heal"] and r["counted"] for r in late if not r.get("final")), late  # carried, and counted
+
+
+@pytest.mark.timeout(240)
+def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path) -> None:
+    """Three runs of 3 groups at once: without stalls; group 2 stalled (``--stall``: asleep in its
+    training loop, heartbeating) for 8 s at inner step 50; group 2 paused (SIGSTOP, its heartbeats
+    stopped too) for 6 s after its third round. In both late runs the others keep their rate
+    (rounds land without group 2 once the grace window has passed) and group 2's inner steps all
+    count in its next round (:func:`check_late_group`)."""
+    baseline, stalled, paused = tmp_path / "baseline", tmp_path / "stalled", tmp_path / "paused"
+    processes = [launch(baseline, *LATE), launch(stalled, *LATE, "--stall", "2:50:8"), launch(paused, *LATE)]
+
+    def pause() -> None:
+        deadline = time.monotonic() + 60
+        while not (paused / "replica-2.jsonl").exists() or len(records(paused, 2)) < 3:
+            if processes[2].poll() is not None or time.monotonic() > deadline:
+                return  # the checks below fail
+            time.sleep(0.01)
+        pid = int((paused / "replica-2.pid").read_text())  # just landed a round: in its inner steps
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(6)
+        os.kill(pid, signal.SIGCONT)
+
+    pauser = threading.Thread(target=pause, daemon=True)
+    pauser.start()
+    for process, directory in zip(processes, (baseline, stalled, paused)):
+        finish(process, directory)
+    pauser.join()
+    assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
+    assert all(r["participants"] == 3 for i in range(3) for r in records(baseline, i) if not r.get("final"))
+    check_late_group(stalled, baseline)
+    check_late_group(paused, baseline)
