@@ -347,7 +347,8 @@ class ElasticRunner(OuterRunner):
     # quorum as soon as the last one's members ask, and a group left out of it is already waiting).
     finish_poll_seconds = 0.25
     # The adaptive grace window: this many times the median spread of the last rounds' hand-over
-    # times (the last participant's lateness), at least grace_floor seconds, at most grace_cap.
+    # times (how much later than the median participant the last one handed over), at least
+    # grace_floor seconds, at most grace_cap (docs/elastic.md, "Late groups": measured).
     grace_factor, grace_floor, grace_cap, grace_rounds = 3.0, 0.05, 10.0, 8
     grace_poll_seconds = 0.02  # between two asks for a quorum while the grace window is open
 
@@ -588,8 +589,12 @@ class ElasticRunner(OuterRunner):
         missing = quorum.replicas < max(row[10] for row in rows)
         if missing and max(row[12] for row in rows) < max(row[13] for row in rows):
             return 0, None, [], True  # type: ignore[return-value]
-        if quorum.replicas > 1:  # how late the last participant handed over (this round's spread)
-            self._spreads.append(max(row[11] for row in rows) - min(row[11] for row in rows))
+        # How much later than the median participant the last one handed over (a group back from
+        # a stall, which asked long before the others, leaves the median where it is).
+        waited = [row[11] for row in rows]
+        round_.stats.spread = statistics.median(waited) - min(waited)
+        if quorum.replicas > 1:
+            self._spreads.append(round_.stats.spread)
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),

@@ -76,6 +76,8 @@ class RoundStats:
         counted: an elastic outer round's count of this replica group's inner steps that its
             landed update included (0: dropped, skipped, or its steps replaced by a heal);
             None otherwise.
+        spread: an elastic outer round's seconds from its median participant's hand-over to
+            its last one's (what the adaptive grace window measures); None otherwise.
     """
 
     index: int
@@ -101,6 +103,7 @@ class RoundStats:
     dropped: bool = False
     content_heal: bool = False
     counted: int | None = None
+    spread: float | None = None
     collective_bytes: int = 0
     # The raw stamps, turned into the fields above by StatsRecorder.resolve().
     _stamps: dict[str, Stamp] = field(default_factory=dict, repr=False, compare=False)

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--hostname", default=None, help="this machine's address as the other replica groups reach it")
     add("--min-replicas", type=int, default=1, help="replica groups a round needs to land")
     add("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout: how fast a loss is seen")
-    add("--join-ms", type=int, default=500, help="the lighthouse's join timeout: the least a round waits for a live "
+    add("--join-ms", type=int, default=100, help="the lighthouse's join timeout: the least a round waits for a live "
         "group that has not asked yet (acco's grace window waits longer where the hand-over times spread more)")  # fmt: skip
     add("--grace", default="adaptive", help="how long a round waits for a group of the last round: 'adaptive' "
         "(a few times the measured spread of hand-over times) or seconds; 'lockstep': every live group, every round")  # fmt: skip
@@ -233,7 +233,7 @@ def replica_main(args: argparse.Namespace) -> None:
         for stats in [s for s in opt.round_stats if s.index >= seen]:
             seen = stats.index + 1
             entry = {"round": opt.outer_rounds, "inner_step": opt.num_updates, "participants": stats.participants,
-                     "dropped": stats.dropped, "content_heal": stats.content_heal, "counted": stats.counted,
+                     "dropped": stats.dropped, "content_heal": stats.content_heal, "counted": stats.counted, "spread": stats.spread,
                      "steps": None if stats.replicas is None else list(stats.replicas.steps), "loss": sum(losses) / len(losses) if losses else None,
                      "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
                      "bytes": stats.collective_bytes}  # fmt: skip

@@ -46,7 +46,7 @@ def lighthouse():
     os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's library loads
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=50,
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=50,
                             heartbeat_timeout_ms=1000)  # fmt: skip
 
 
