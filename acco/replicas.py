@@ -201,7 +201,9 @@ class Pacing:
     busy_since: float = field(default_factory=time.perf_counter)
     timed_steps: int = 0
     waited: float = 0.0
-    round_wall: float = 0.0  # the last launch-to-launch time (0: not measured)
+    # The last launch-to-launch times (whole rounds only): their median measures a round for
+    # stop_after(seconds=), so one round a stall stretched does not end the job early.
+    round_walls: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=5))
     pace: float = 0.0  # seconds per step over the last round (0: not measured)
     # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
     # less the time step() waited for a round in it; timed from the end of the first step (None
@@ -310,7 +312,8 @@ class Pacing:
         now = time.perf_counter()
         median = statistics.median(self.step_times) if self.step_times else 0.0
         report = HandOver(self.round_steps, self.round_weight, median, self.stop_requested, self.finishing)
-        self.round_wall = now - self.busy_since if self.timed_steps == self.round_steps else 0.0
+        if self.timed_steps == self.round_steps and self.timed_steps:
+            self.round_walls.append(now - self.busy_since)
         self.pace = self.seconds_per_step(now) or self.pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
@@ -435,16 +438,18 @@ class Pacing:
         """``stop_after()``: ask to stop at the next launch once the round after it would end
         past ``steps`` (the fastest replica's ``sync_every`` a round), or, for ``seconds``,
         once the next launch is nearer the deadline than the end of the round after it (the
-        last round's time as the measure: within half a round of the budget)."""
+        median of the last rounds' times and of the last steps' as the measure: within half a
+        round of the budget; a stall, one long step or round, moves neither)."""
         if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
             return
         ahead = self.steps_to_launch(inner_steps)
         if self.stop_steps is not None and inner_steps + ahead + self.options.sync_every > self.stop_steps:
             self.stop_requested = True
         now = time.perf_counter()
-        per_step = self.seconds_per_step(now) or self.pace
+        per_step = (statistics.median(self.step_times) if self.step_times else 0.0) or self.seconds_per_step(now) or self.pace
         if self.stop_seconds is not None and per_step:
-            next_round = self.round_wall or self.options.sync_every * per_step  # before any whole round: its steps
+            # (before any whole round: its steps)
+            next_round = statistics.median(self.round_walls) if self.round_walls else self.options.sync_every * per_step
             if now + ahead * per_step + next_round / 2 > self.stop_seconds:
                 self.stop_requested = True
 
@@ -475,6 +480,7 @@ class Pacing:
         # equal plan is taken as never (finish() then decides as in lockstep).
         self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
         self.flight_report = flight_report
-        self.timed_steps, self.waited, self.round_wall, self.pace = 0, 0.0, 0.0, 0.0
+        self.timed_steps, self.waited, self.pace = 0, 0.0, 0.0
+        self.round_walls.clear()
         self.step_times.clear()
         self.last_step_end, self.waited_in_step = None, 0.0

@@ -416,6 +416,8 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path) -> None
         finish(process, directory)
     pauser.join()
     assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
-    assert all(r["participants"] == 3 for i in range(3) for r in records(baseline, i) if not r.get("final"))
+    # (a fresh job's join round is tried again, dropped, until every group is there)
+    assert all(r["participants"] == 3 for i in range(3) for r in records(baseline, i) if not r.get("final")
+               and not r["dropped"])  # fmt: skip
     check_late_group(stalled, baseline)
     check_late_group(paused, baseline)
