@@ -23,14 +23,20 @@ its own inner steps, which the next round carries.
 
 Every group knows which rounds its global values come from: the *lineage*, how many rounds
 have landed on them and a digest chained over each one's identity (torchft's step and the
-quorum's id, which no other round shares), kept in checkpoints. The lighthouse may
-form a quorum without a group that is alive but late (a paused process, a loaded machine): the
-others land a round it was not in, and its global values are then other than theirs although
-its step count may equal theirs (torchft heals by step count only). So every round's first
-exchange carries each participant's lineage, and where they differ the participants of the
-newest lineage (the most rounds) send their global values to the others (a *heal by content*): those take them,
-rebuild their part of the outer state from them and hand over nothing in this round (their
-inner steps since their last landed round are lost; their step count goes on). No live group
+quorum's id, which no other round shares), kept in checkpoints.
+
+No group holds a round past the *grace window*: the lighthouse issues a quorum once a minimum
+quorum has asked (and its join timeout has passed), and while a group of the participants'
+last round is missing the participants ask again until the window (adaptive: a few times the
+measured spread of hand-over times; or fixed) has passed. A group left out (alive but late: a
+stall, a paused process, a loaded machine) keeps training, and at its next round its global
+values are behind: torchft heals it by step count, or, where its step count equals the others'
+(a round torchft committed that it dropped), the round's first exchange shows its lineage
+behind and the participants of the newest lineage send it their global values (a *heal by
+content*). Either way a group whose state is its own (it has landed a round in this process)
+takes only the global values, its own progress carried onto them: its pseudo-gradient is what
+it trained since the values it started from, and its inner steps since its last landed round
+all count in this round. Only a restarted process takes a peer's whole state. No live group
 trains on other global values than the rest once it is in a round with them.
 
 The job ends together: ``finish()`` runs rounds (handing over nothing) until one lands in which
@@ -431,6 +437,8 @@ class ElasticRunner(OuterRunner):
         while True:
             with record.phase(stats, "totals"):
                 nonfinite, report, self._peers, waits = self._exchange_hand_overs(seating.context, round_)
+                if self._replica_size > 1:  # every rank of the group asks again, or none (its clocks differ)
+                    waits = self._any_rank(waits)
             if not waits:
                 break
             time.sleep(self.grace_poll_seconds)  # the missing group may ask meanwhile: the lighthouse adds it
@@ -602,6 +610,12 @@ class ElasticRunner(OuterRunner):
         )  # fmt: skip
         peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8])) for row in rows]
         return int(flags[0].item()), report, peers, False
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether any rank of this replica group says ``flag`` (one all-reduce over its ranks)."""
+        count = torch.tensor([float(flag)], dtype=torch.float64, device=self._groups[0].device)
+        self._mesh_comm.all_reduce_sum_(count)
+        return bool(count.item())
 
     def grace(self) -> float:
         """Seconds a round waits, from its first quorum, for a missing group of the last round:

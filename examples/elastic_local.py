@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--warm-spares: replica groups of one process only (a group of several restarts whole)")
     if args.replicas < 1 or args.steps < 1 or not 1 <= args.min_replicas <= args.replicas:
         parser.error("--replicas, --steps >= 1 and 1 <= --min-replicas <= --replicas")
+    if args.trainer == "torchft-diloco" and (args.nproc_per_replica > 1 or args.die_in_round or args.warm_spares):
+        parser.error("--trainer torchft-diloco: replica groups of one process, without --die-in-round or --warm-spares")
     if args.grace not in ("adaptive", "lockstep"):
         try:
             args.grace = float(args.grace)

@@ -184,6 +184,14 @@ def misfit_rank(index: int, address: str, results) -> None:  # type: ignore[no-u
     membership.close()
 
 
+@pytest.mark.parametrize("grace", [-1.0, "auto", True, float("nan")])
+def test_an_invalid_grace_window_is_refused_before_anything_connects(grace) -> None:
+    from acco.elastic import TorchFT
+
+    with pytest.raises(ValueError, match="grace"):
+        TorchFT(object(), None, grace=grace)
+
+
 def test_groups_laid_out_differently_raise_naming_it() -> None:
     """Two groups whose models differ: at the join torchft heals one from the other (its first
     step), which refuses the peer's state naming the cause; the other group then waits for a
