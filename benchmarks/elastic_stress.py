@@ -65,7 +65,7 @@ def records(directory: Path, index: int) -> list[dict[str, Any]]:
 
 def wait_for_rounds(directory: Path, index: int, count: int, process: subprocess.Popen, limit: float = 120) -> bool:
     deadline = time.monotonic() + limit
-    while len([r for r in records(directory, index) if not r.get("final")]) < count:
+    while len([r for r in records(directory, index) if not r.get("final") and not r["dropped"]]) < count:
         if process.poll() is not None or time.monotonic() > deadline:
             return False
         time.sleep(0.02)

@@ -19,8 +19,8 @@ Fenton-Wilkinson approximate it). Kinds of round:
   more than half of the live groups: the lighthouse's split-brain guard, so 2 groups always wait
   for each other), the lighthouse has issued it (at once if every live group asked, else when the
   first has waited the join timeout) and the grace window after it has passed (adaptive:
-  ``grace_factor`` times the median spread of the last rounds' hand-over times within [floor,
-  cap], acco's ``ElasticRunner.grace``; or ``--grace SECONDS``). A group later than that keeps
+  ``grace_factor`` times the median spread of the last rounds' hand-over times (the last
+  participant's after the median one's) within [floor, cap], acco's ``ElasticRunner.grace``; or ``--grace SECONDS``). A group later than that keeps
   its progress: its inner steps all count in the next round it reaches, which it waits for once
   it is back; the others do not wait for it again. A group that dies loses its steps since the
   last round it took part in, and each round it was in waits the grace window for it.

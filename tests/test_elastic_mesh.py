@@ -148,7 +148,7 @@ def test_a_killed_rank_restarts_its_group_which_heals_while_the_other_trains(tmp
     import threading
     import time
 
-    from tests.test_elastic import finish, launch, records
+    from tests.test_elastic import finish, landed, launch, records
 
     seed = random.randrange(1 << 16)
     rng = random.Random(seed)
@@ -158,7 +158,7 @@ def test_a_killed_rank_restarts_its_group_which_heals_while_the_other_trains(tmp
 
     def kill() -> None:
         deadline = time.monotonic() + 90
-        while not (directory / "replica-1.jsonl").exists() or len(records(directory, 1)) < 3:
+        while landed(directory, 1) < 3:  # a few rounds in (not a fresh job's join tries)
             if process.poll() is not None or time.monotonic() > deadline:
                 return
             time.sleep(0.02)
