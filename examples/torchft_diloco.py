@@ -75,7 +75,7 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.local_sgd import DiLoCo
 
 from acco.options import default_outer
-from elastic_local import NO_PEER_EXIT_CODE, RESTART_ENV, SPARE_ENV, lr_factor, stalls_at
+from elastic_local import NO_PEER_EXIT_CODE, RESTART_ENV, lr_factor, stalls_at
 from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
     sample_batch, split_corpus  # fmt: skip
 
@@ -103,12 +103,6 @@ def replica_main(args: argparse.Namespace) -> None:
         raise ValueError(f"--die-in-round {args.die_in_round}: acco's worker only (kill the process instead)")
     directory, index = Path(args.log_dir), args.replica
     directory.mkdir(parents=True, exist_ok=True)
-    if os.environ.get(SPARE_ENV):  # a warm spare: torch is loaded; the launcher says when to take over
-        line = sys.stdin.readline()
-        if not line:
-            return
-        os.environ[RESTART_ENV] = line.strip()
-        print(f"replica {index} | a warm spare takes over", flush=True)
     (directory / f"replica-{index}.pid").write_text(str(os.getpid()))
     started = int(os.environ.get(RESTART_ENV, "0"))
     torch.set_num_threads(1)
