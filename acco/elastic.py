@@ -36,7 +36,9 @@ behind and the participants of the newest lineage send it their global values (a
 content*). Either way a group whose state is its own (it has landed a round in this process)
 takes only the global values, its own progress carried onto them: its pseudo-gradient is what
 it trained since the values it started from, and its inner steps since its last landed round
-all count in this round. Only a restarted process takes a peer's whole state. No live group
+all count in this round. Only a restarted process takes a peer's whole state, and a group that
+dropped a round since its last landed one takes the newest global values as they are (another
+participant may have landed that round: its progress would count twice). No live group
 trains on other global values than the rest once it is in a round with them.
 
 The job ends together: ``finish()`` runs rounds (handing over nothing) until one lands in which
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -141,8 +144,9 @@ class TorchFT:
     def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1, must_heal: bool = False,
                  collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
                  finish_timeout: datetime.timedelta | None = None, grace: float | str = "adaptive") -> None:  # fmt: skip
-        if grace != "adaptive" and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0):
-            raise ValueError(f"Invalid grace: {grace!r} (\"adaptive\" or seconds >= 0)")
+        if grace != "adaptive" and (isinstance(grace, bool) or not isinstance(grace, (int, float))
+                                    or not 0 <= grace < float("inf")):
+            raise ValueError(f"Invalid grace: {grace!r} (\"adaptive\" or seconds: finite, >= 0)")
         if isinstance(start_with, bool) or not isinstance(start_with, int) or start_with < 1:
             raise ValueError(f"Invalid start_with: {start_with!r} (an int >= 1: replica groups the first round waits for)")
         if getattr(manager, "_use_async_quorum", False):
@@ -394,6 +398,11 @@ class ElasticRunner(OuterRunner):
         self._peers: list[_Peer] = []  # what the last round's exchange said of its participants
         self._carried = False  # this quorum's heal carried this group's progress (a late group)
         self._landed = False  # a round landed on this process's state (or a checkpoint restored it): its progress is its own
+        # A round this group handed over in was dropped here since its last landed one: another
+        # participant may have landed it (its agreement failed here only), its progress then already
+        # in the newest global values. Such a group takes them as they are (its steps since lost)
+        # rather than carrying its progress onto them twice.
+        self._maybe_merged = False
         self._last_participants = 0  # the participants of the last round this group landed
         self._spreads: collections.deque[float] = collections.deque(maxlen=self.grace_rounds)
         self._handed_over_at = self._first_quorum_at = 0.0
@@ -434,23 +443,28 @@ class ElasticRunner(OuterRunner):
         others landed, the heal by content (they take the newest global values, their own
         progress carried onto them); then the round's legs and this rank's shards of the epoch."""
         stats, record = round_.stats, self._recorder
-        while True:
-            with record.phase(stats, "totals"):
-                nonfinite, report, self._peers, waits = self._exchange_hand_overs(seating.context, round_)
-                if self._replica_size > 1:  # every rank of the group asks again, or none (its clocks differ)
-                    waits = self._any_rank(waits)
-            if not waits:
-                break
-            time.sleep(self.grace_poll_seconds)  # the missing group may ask meanwhile: the lighthouse adds it
-            self._ask(seating, round_)
+        with record.phase(stats, "totals"):
+            nonfinite, report, self._peers, spread, waits = self._agreed_exchange(seating, round_)
+        while waits:  # (its own phase: a wait for a late group is not a wait for the others' hand-overs)
+            with record.phase(stats, "grace"):
+                time.sleep(self.grace_poll_seconds)  # the missing group may ask meanwhile: the lighthouse adds it
+                self._ask(seating, round_)
+                nonfinite, report, self._peers, spread, waits = self._agreed_exchange(seating, round_)
+        stats.spread = spread
+        if seating.replicas > 1:
+            self._spreads.append(spread)
         quorum, peers = seating.context, self._peers
         followers = [r for r, peer in enumerate(peers) if peer.lineage != max(p.lineage for p in peers)]
         if followers:  # some participant was left out of a round the others landed
             with record.phase(stats, "heal"):
                 self._heal_by_content(quorum, peers, followers, round_)
-            stats.content_heal = quorum.replica in followers
-            if stats.content_heal:
-                self._epoch_for(quorum, rebuild=True, keep_residuals=True)
+            follower = quorum.replica in followers
+            stats.content_heal = stats.content_heal or follower
+            if follower:
+                self._epoch_for(quorum, rebuild=True, keep_residuals=not peers[quorum.replica].maybe_merged)
+            lost = [r for r in followers if peers[r].maybe_merged]  # they take the newest values as they are
+            report = dataclasses.replace(report, steps=tuple(0 if r in lost else n for r, n in enumerate(report.steps)),
+                                         weights=tuple(0.0 if r in lost else w for r, w in enumerate(report.weights)))  # fmt: skip
         copies = self._copies()
         seating.legs = QuantizedLegs(self._codec, copies, self._residuals)
         seating.shards = [self._shard(number, group, copy.clone(), round_.params[number])
@@ -500,7 +514,7 @@ class ElasticRunner(OuterRunner):
                 self._relay(shard.out, shard.place.plan, group.gathered, group.plan)
             self.lineage = _next_lineage(self.lineage, quorum)
             self.most_participants = max(self.most_participants, quorum.replicas)
-            self._landed, self._last_participants = True, quorum.replicas
+            self._landed, self._last_participants, self._maybe_merged = True, quorum.replicas, False
             stats.counted = 0 if stats.skipped else round_.report.steps[quorum.replica]
             # The job ends on a round every participant finishes in, with every group the job had
             # (or after a participant's finish_timeout): the same decision on every participant.
@@ -508,6 +522,7 @@ class ElasticRunner(OuterRunner):
                 quorum.replicas >= max(peer.expected for peer in self._peers) or any(peer.gives_up for peer in self._peers))
         else:
             stats.dropped, stats.counted = True, 0
+            self._maybe_merged = self._landed
             self._epoch = None  # a master may have stepped: the next round rebuilds from the global values
             for residual in self._residuals or []:
                 residual.zero_()
@@ -571,20 +586,20 @@ class ElasticRunner(OuterRunner):
 
     # ------------------------------------------------------------------------- the parts
 
-    def _exchange_hand_overs(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer], bool]:
+    def _exchange_hand_overs(self, quorum: Quorum, round_: Any) -> tuple[int, ReplicaReport, list[_Peer], float, bool]:
         """Every participant's hand-over and non-finite flag, what only elastic rounds need of
         each (:class:`_Peer`), and whether to ask for the quorum again (the grace window: the
         same decision on every participant, from what they all sent), in one all-reduce (each
         rank with the equal ranks of the other groups, every rank of a group saying what its
-        group agreed: the same on all of them)."""
+        group agreed: the same on all of them); and this round's spread of hand-over times."""
         own, nonfinite, gives_up = self._group_hand_over(round_)
-        fields, device, now = 14, self._groups[0].device, time.monotonic()
+        fields, device, now = 15, self._groups[0].device, time.monotonic()
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
              gives_up, self._layout, self._last_participants, now - self._handed_over_at, now - self._first_quorum_at,
-             self.grace()], dtype=torch.float64)  # fmt: skip
+             self.grace(), self._maybe_merged], dtype=torch.float64)  # fmt: skip
         flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
@@ -596,26 +611,37 @@ class ElasticRunner(OuterRunner):
         # group that asked meanwhile to the next quorum at once).
         missing = quorum.replicas < max(row[10] for row in rows)
         if missing and max(row[12] for row in rows) < max(row[13] for row in rows):
-            return 0, None, [], True  # type: ignore[return-value]
+            return 0, None, [], 0.0, True  # type: ignore[return-value]
         # How much later than the median participant the last one handed over (a group back from
         # a stall, which asked long before the others, leaves the median where it is).
         waited = [row[11] for row in rows]
-        round_.stats.spread = statistics.median(waited) - min(waited)
-        if quorum.replicas > 1:
-            self._spreads.append(round_.stats.spread)
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
             finishing=tuple(bool(row[4]) for row in rows),
         )  # fmt: skip
-        peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8])) for row in rows]
-        return int(flags[0].item()), report, peers, False
+        peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8]), bool(row[14])) for row in rows]
+        return int(flags[0].item()), report, peers, statistics.median(waited) - min(waited), False
 
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether any rank of this replica group says ``flag`` (one all-reduce over its ranks)."""
-        count = torch.tensor([float(flag)], dtype=torch.float64, device=self._groups[0].device)
-        self._mesh_comm.all_reduce_sum_(count)
-        return bool(count.item())
+    def _agreed_exchange(self, seating: Seating, round_: Any) -> tuple[int, ReplicaReport, list[_Peer], float, bool]:
+        """:meth:`_exchange_hand_overs`, and in a group of several ranks whether any rank asks
+        for the quorum again or failed (one all-reduce over the group's ranks: every rank asks
+        again, proceeds or fails alike, whatever its clock or its own exchange said)."""
+        failed: Exception | None = None
+        try:
+            nonfinite, report, peers, spread, waits = self._exchange_hand_overs(seating.context, round_)
+        except Exception as error:  # (raised below, once the group's other ranks know)
+            failed, nonfinite, report, peers, spread, waits = error, 0, None, [], 0.0, False
+        if self._replica_size > 1:
+            flags = torch.tensor([float(waits), float(failed is not None)], dtype=torch.float64,
+                                 device=self._groups[0].device)  # fmt: skip
+            self._mesh_comm.all_reduce_sum_(flags)
+            waits = bool(flags[0].item())
+            if flags[1].item() and failed is None:
+                failed = RuntimeError("another rank of this replica group failed the round's exchange")
+        if failed is not None:
+            raise failed
+        return nonfinite, report, peers, spread, waits
 
     def grace(self) -> float:
         """Seconds a round waits, from its first quorum, for a missing group of the last round:
@@ -668,10 +694,18 @@ class ElasticRunner(OuterRunner):
             newest_values.append(sent)
         if not follower:
             return
+        self.lineage = newest
+        if self._maybe_merged:  # its progress may be in them already: they as they are, its hand-over them
+            _log.warning("elastic outer round %d: this replica group dropped a round another may have landed: it takes "
+                         "the newest global values as they are (its inner steps since are lost)", round_.stats.index)
+            for group, values, new in zip(self._groups, self._global_values, newest_values):
+                values.copy_(new)
+                group.load_params(values)
+            self._hand_over_global_values(round_, round_.hand_over.step_seconds)
+            return
         _log.info("elastic outer round %d: this replica group missed a round the others landed: it takes their global "
                   "values, its own progress carried onto them", round_.stats.index)  # fmt: skip
         self._carry(round_, newest_values)
-        self.lineage = newest
 
     def _carry(self, round_: Any, newest: Sequence[Tensor]) -> None:
         """A late replica group takes the newest global values and keeps its progress: its
@@ -680,8 +714,8 @@ class ElasticRunner(OuterRunner):
         its hand-over (its inner steps and tokens since its last landed round) counts whole."""
         with torch.no_grad():
             for group, params, values, new in zip(self._groups, round_.params, self._global_values, newest):
-                new = new.to(device=values.device, dtype=values.dtype)
-                params.add_(new - values)
+                new = new.to(device=values.device)
+                params.copy_(params.float() + (new.float() - values.float()))  # (in fp32 whatever the buffers')
                 values.copy_(new)
                 group.load_params(params)
 
@@ -779,7 +813,8 @@ class ElasticRunner(OuterRunner):
         """A peer's state, taken inside the quorum (this replica was behind in torchft's step
         count). A group whose state is its own (it has landed a round in this process: late,
         a paused process among them) takes only the global values, its progress carried onto
-        them; a restarted one takes the loop's whole state, and this round's hand-over becomes
+        them; a restarted one, or one that dropped a round another may have landed (its progress
+        perhaps in them already), takes the loop's whole state, and this round's hand-over becomes
         the global values themselves, with no weight. Returns whether the state was replaced.
 
         Raises:
@@ -790,7 +825,7 @@ class ElasticRunner(OuterRunner):
             raise RoundRefused(_MISFIT)
         lineage = tuple(state.get("lineage", self.lineage))
         self.most_participants = max(self.most_participants, int(state.get("most_participants", 0)))
-        if self._landed and self._round is not None:
+        if self._landed and not self._maybe_merged and self._round is not None:
             self._carry(self._round, state["global_values"])
             self.lineage, self._carried = lineage, True
             return False
@@ -830,11 +865,15 @@ class _Peer:
         lineage: where its global values come from (rounds landed, their chained digest).
         expected: the most groups a round it landed had (the job's groups, as it knows them).
         gives_up: it has waited ``finish_timeout`` in ``finish()`` for a missing group.
+        maybe_merged: a round it handed over in was dropped on it since its last landed one
+            (another participant may have landed it): behind, it takes the newest global values
+            as they are, with no weight.
     """
 
     lineage: tuple[int, int]
     expected: int
     gives_up: bool
+    maybe_merged: bool = False
 
 
 @dataclass(frozen=True)

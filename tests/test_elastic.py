@@ -401,7 +401,7 @@ def check_late_group(directory: Path, baseline: Path) -> None:
         assert sum(1 for r in records(directory, index) if r.get("participants") == 2 and not r["dropped"]) >= 5
     late = records(directory, 2)
     assert sum(r["counted"] or 0 for r in late if not r.get("final")) == late[-1]["inner_step"], late
-    assert any(r["content_heal"] and r["counted"] for r in late if not r.get("final")), late  # carried, and counted
+    assert any(r["content_heal"] for r in late if not r.get("final")), late  # it took the newest global values
 
 
 @pytest.mark.timeout(240)
@@ -431,8 +431,7 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path) -> None
         finish(process, directory)
     pauser.join()
     assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
-    # (a fresh job's join round is tried again, dropped, until every group is there)
-    assert all(r["participants"] == 3 for i in range(3) for r in records(baseline, i) if not r.get("final")
-               and not r["dropped"])  # fmt: skip
+    for i in range(3):  # without a stall every step counts too
+        assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
     check_late_group(stalled, baseline)
     check_late_group(paused, baseline)
