@@ -306,12 +306,15 @@ class Pacing:
         """This replica's pace since the last launch (0: not measured yet)."""
         return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
 
+    def step_median(self) -> float:
+        """The median of this replica's last step times: the pace it reports (0: none timed yet)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
     def hand_over(self) -> HandOver:
-        """What the launch now tells the others (its pace: the median of its last step times);
-        the round's counters start again."""
+        """What the launch now tells the others (its pace: :meth:`step_median`); the round's
+        counters start again."""
         now = time.perf_counter()
-        median = statistics.median(self.step_times) if self.step_times else 0.0
-        report = HandOver(self.round_steps, self.round_weight, median, self.stop_requested, self.finishing)
+        report = HandOver(self.round_steps, self.round_weight, self.step_median(), self.stop_requested, self.finishing)
         if self.timed_steps == self.round_steps and self.timed_steps:
             self.round_walls.append(now - self.busy_since)
         self.pace = self.seconds_per_step(now) or self.pace
@@ -445,9 +448,11 @@ class Pacing:
         ahead = self.steps_to_launch(inner_steps)
         if self.stop_steps is not None and inner_steps + ahead + self.options.sync_every > self.stop_steps:
             self.stop_requested = True
+        if self.stop_seconds is None:
+            return
         now = time.perf_counter()
-        per_step = (statistics.median(self.step_times) if self.step_times else 0.0) or self.seconds_per_step(now) or self.pace
-        if self.stop_seconds is not None and per_step:
+        per_step = self.step_median() or self.seconds_per_step(now) or self.pace
+        if per_step:
             # (before any whole round: its steps)
             next_round = statistics.median(self.round_walls) if self.round_walls else self.options.sync_every * per_step
             if now + ahead * per_step + next_round / 2 > self.stop_seconds:

@@ -38,21 +38,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO_ROOT / "examples" / "elastic_local.py"
+from elastic_stress import EXAMPLE, hog, records
+
 BASE = ["--replicas", "3", "--step-seconds", "0.05", "--micro-batches", "1", "--sync-every", "10",
         "--timeout", "10", "--quorum-timeout", "120", "--pacing", "lockstep"]  # fmt: skip
 HOGS = 4
-
-
-def records(directory: Path, index: int) -> list[dict[str, Any]]:
-    path = directory / f"replica-{index}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def hog(stop: Any) -> None:
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
 
 
 LAUNCHER: list[str] = []  # --launcher's options, after every run's own
@@ -80,8 +70,9 @@ def summary(directory: Path, steps: int | None = None) -> dict[str, Any]:
     groups = []
     spreads = []
     for index in range(3):
-        rounds = [r for r in records(directory, index) if not r.get("final") and not r.get("dropped")]
-        final = records(directory, index)[-1] if records(directory, index) else {}
+        written = records(directory, index)
+        rounds = [r for r in written if not r.get("final") and not r.get("dropped")]
+        final = written[-1] if written else {}
         regular = [r for r in rounds if steps is None or r["inner_step"] < steps]
         rate = None
         if len(regular) > 3:
