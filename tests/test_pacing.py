@@ -234,3 +234,20 @@ def test_the_stall_bound() -> None:
     paced.check_stall(STALL_ROUNDS * longest, paced.stall_bound(600.0), 3)
     with pytest.raises(PacingStall, match="collective of its own at step counts"):
         paced.check_stall(STALL_ROUNDS * longest + 0.5, paced.stall_bound(600.0), 3)
+
+
+def test_a_stalled_step_or_round_does_not_end_a_seconds_budget_early() -> None:
+    """stop_after(seconds=): a replica just back from an 8 s stall (one step of its round took
+    8 s, and so did that round) with a minute left does not ask to stop: the budget measures the
+    median of its last step and round times, which the stall moves by none."""
+    paced = pacing(every=10)
+    paced.stop_after(None, 60.0)
+    now = time.perf_counter()
+    paced.step_times.extend([0.05] * 9 + [8.0])
+    paced.round_walls.extend([0.55] * 4 + [8.5])
+    paced.busy_since, paced.timed_steps, paced.round_steps = now - 8.0, 1, 1  # the stall in this round's first step
+    paced.check_budget(inner_steps=1)
+    assert not paced.stop_requested
+    paced.stop_seconds = now + 0.5  # half a second left: the next launch is past it
+    paced.check_budget(inner_steps=1)
+    assert paced.stop_requested
