@@ -350,6 +350,8 @@ class ElasticRunner(OuterRunner):
     quorum that never forms are.
     """
 
+    lands_late = False  # a dropped round is carried into the next: its replica waits for the quorum
+
     max_failed_rounds = 3
     # finish()'s rounds while a group of the job is not there start at wall-clock multiples of
     # this: the finishing groups ask for their quorum at the same instants (a round with some of

@@ -50,6 +50,9 @@ from acco.sharding import ShardedGroup
 
 __all__ = ["InnerSteps", "LocalClock", "LocalLoop"]
 
+# How often a landing that waits for the other replicas' hand-overs within its patience looks.
+_POLL_SECONDS = 0.002
+
 
 class LocalLoop(Loop):
     """``mode="local"``'s loop: every ``step()`` is one inner update of this replica; every
@@ -147,18 +150,19 @@ class LocalLoop(Loop):
         self._counts.committed_weight += weights.total() if updated else 0.0
         clock.stepped(weights.total() if updated else 0.0)
         if clock.lands_after(clock.inner_steps, self._round_done()):
-            self._land()
-        if clock.launches_now():
+            self._land_or_go_on()
+        if clock.launches_now() and self._schedule.in_flight is None:  # (a late round lands first)
             self._launch()
             if not clock.options.overlaps:
-                self._land()
+                self._land_or_go_on()
         self.pacing.check_budget(clock.inner_steps)
         return updated
 
     def ready(self) -> bool:
         """``step()`` waits only when the round in flight must land at its end and has not
-        finished yet."""
-        return self._round_done() or not self.clock.lands_after(self.clock.inner_steps + 1, done=False)
+        finished yet (a late round never waits)."""
+        clock = self.clock
+        return self._round_done() or clock.late or not clock.lands_after(clock.inner_steps + 1, done=False)
 
     def _round_done(self) -> bool:
         """Whether the comm lane has finished the round in flight (True: none in flight)."""
@@ -209,6 +213,55 @@ class LocalLoop(Loop):
                             buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=self.pacing.hand_over())  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
+
+    def _land_or_go_on(self) -> None:
+        """The round in flight lands now; or, while the replicas' plans differ and it is still
+        waiting for the others' hand-overs after :meth:`acco.replicas.Pacing.patience`, this
+        replica goes on taking inner steps and the round lands *late*, at the first ``step()``
+        that finds it complete, the progress made since its launch kept on top of the new global
+        values (a loop's own collective at every step then meets every replica at the same step
+        count: nobody waits in a circle). A late round the others never hand over to raises
+        :class:`acco.replicas.PacingStall` after :meth:`acco.replicas.Pacing.stall_bound`."""
+        clock, round_ = self.clock, self._schedule.in_flight
+        if clock.late:
+            if round_.future.done():
+                self._land()
+            else:
+                self._check_late_stall(round_)
+            return
+        patience = self.pacing.patience() if self.lane_work.lands_late else None
+        if patience is None or self._completes_within(round_, patience):
+            self._land()
+            return
+        clock.late, clock.late_since = True, time.perf_counter()
+        if not clock.options.overlaps:  # blocking: no step since the launch, the live parameters are those handed over
+            if clock.handed_over is None:
+                clock.handed_over = [group.flat_params() for group in self._groups]
+            else:
+                for group, handed in zip(self._groups, clock.handed_over):
+                    torch._foreach_copy_(group.views(handed), [p.detach() for p in group.locals()])
+
+    def _completes_within(self, round_: LaneRound, patience: float) -> bool:
+        """Whether the round gets past waiting for the other replicas' hand-overs (its
+        ``totals`` phase) within ``patience`` seconds of waiting here; what follows is the
+        round's own transfer, which the landing waits for."""
+        started = time.perf_counter()
+        try:
+            while not round_.future.done() and round_.stats.phase in ("queued", "totals"):
+                left = patience - (time.perf_counter() - started)
+                if left <= 0:
+                    return False
+                time.sleep(min(left, _POLL_SECONDS))
+            return True
+        finally:
+            self.pacing.waited_for_round(time.perf_counter() - started)
+
+    def _check_late_stall(self, round_: LaneRound) -> None:
+        """A late round still waiting for the others' hand-overs past the stall bound raises."""
+        if round_.stats.phase not in ("queued", "totals"):
+            return
+        bound = self.pacing.stall_bound(self._parts.options.timeout.total_seconds())
+        self.pacing.check_stall(time.perf_counter() - self.clock.late_since, bound, round_.stats.index)
 
     def _run_until_landed(self, discard: bool = False) -> None:
         """A blocking round, launched again while it is dropped (elastic replicas: run again with
@@ -272,6 +325,7 @@ class LocalLoop(Loop):
         self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
+        clock.late = False
         # "keep"'s landing leaves the start's offset from the new global values in handed_over.
         clock.offset_steps = clock.inner_steps - clock.launched_at if keep else 0
         with record_function("acco.load_params"):
@@ -588,7 +642,11 @@ class LocalClock:
             that landing corrected it (0: not landed with its progress kept); ``handed_over``
             then holds that start's offset from the new global values.
         handed_over: per param group, the parameters the round in flight was handed
-            (``overlap="keep"`` with a delay: what the landing subtracts), or None.
+            (``overlap="keep"`` with a delay, or a blocking round that lands late: what the
+            landing subtracts), or None.
+        late: the round in flight passed its landing point while waiting for the other
+            replicas' hand-overs, and this replica went on stepping; it lands once complete.
+        late_since: when it did (``time.perf_counter()``; not saved).
     """
 
     options: LocalOptions
@@ -600,6 +658,8 @@ class LocalClock:
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
     offset_steps: int = 0
+    late: bool = False
+    late_since: float = 0.0
 
     def __post_init__(self) -> None:
         self.pacing = Pacing(self.options)
@@ -626,8 +686,12 @@ class LocalClock:
 
     @property
     def keeps_progress(self) -> bool:
-        """Whether a landing adds the progress made since the launch to the new global values."""
-        return self.options.overlap in (Overlap.KEEP, Overlap.ESTIMATE) and self.options.overlaps
+        """Whether a landing adds the progress made since the launch to the new global values:
+        the overlap rule's (``"keep"``, ``"estimate"``), and a blocking round's that lands late
+        (every inner step counts once)."""
+        if self.options.overlaps:
+            return self.options.overlap in (Overlap.KEEP, Overlap.ESTIMATE)
+        return self.late
 
     @property
     def estimates(self) -> bool:
@@ -645,6 +709,7 @@ class LocalClock:
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
             "offset_steps": self.offset_steps,
+            "late": self.late,
             **self.pacing.state_dict(),
         }
 
@@ -653,5 +718,6 @@ class LocalClock:
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
         self.offset_steps = int(saved.get("offset_steps", 0))
+        self.late, self.late_since = bool(saved.get("late", False)), time.perf_counter()
         since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
         self.pacing.load_state_dict(saved, since, flight_report)

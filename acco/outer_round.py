@@ -117,6 +117,9 @@ class OuterRunner(LaneWork):
     state and buffers)."""
 
     ends_job = True  # finish()'s rounds end the job on every replica (elastic ones may not)
+    # A round may land after its replica went on taking inner steps (acco.local, "late"); an
+    # elastic round, which may be dropped and carried, blocks.
+    lands_late = True
 
     def run(self, round_: OuterRound) -> RoundStats:
         """One outer round.

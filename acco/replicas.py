@@ -13,9 +13,12 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
 - **Pacing** (``pacing``): each replica's inner steps per round: ``sync_every`` each
   (``"lockstep"``), a fixed list, or in proportion to its measured speed (``"speed"``),
   the fastest ``sync_every``, from the speeds every replica reported in the last round, once
-  a replica is slower than the fastest by more than :data:`SPEED_BAND`; when plans first
-  differ rank 0 warns, and a wait for the others' hand-overs far past their pace raises
-  :class:`PacingStall` (a loop's own collective at step counts, the likely cause).
+  a replica is slower than the fastest by more than :data:`SPEED_BAND` in
+  :data:`APART_REPORTS` successive rounds; when plans first differ rank 0 says so once. While
+  plans differ a replica does not wait long for the others' hand-overs (:meth:`Pacing.patience`):
+  it goes on taking inner steps, and the round lands when it completes, so a loop's own
+  collective at every step never waits in a circle; a round the others never hand over to raises
+  :class:`PacingStall`.
 - **Stopping together**: a replica's stop request travels in its next hand-over; once that
   round has landed every replica's ``should_stop`` is True, at the same round. A replica that
   calls ``finish()`` while the others train ends the run the same way.
@@ -40,35 +43,61 @@ import torch.distributed as dist
 
 from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
 
-__all__ = ["HandOver", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "pace_window", "STALL_ROUNDS", "STALL_SHARE"]
+__all__ = ["APART_REPORTS", "HandOver", "PACE_BLOCK", "PATIENCE_SECONDS", "PATIENCE_STEPS", "Pacing", "PacingStall",
+           "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE", "block_median", "pace_window"]
 
 _log = logging.getLogger("acco")
 
 # Speed pacing engages only on a real speed gap (docs/loops.md, "Replicas of different speeds",
-# and benchmarks/pacing_noise.py, which measured the rule): a replica's pace is the median of its
-# last step-to-step times (pace_window), the time step() waited for a round left out, so an evaluation, a
-# checkpoint, or a wait in the loop's own collective for a replica that was landing a round (one
-# long step each) does not count; and a replica takes fewer than sync_every steps only when it
-# is slower than the fastest by more than this share of the fastest's speed.
+# and benchmarks/pacing_noise.py, which measured the rule). A replica's pace is measured from its
+# step-to-step times over its last pace_window() steps, leaving out every step in which step()
+# waited for a round: after a round, the replica whose comm lane finished first waits for the
+# other in the loop's own collective, which is not its speed. The pace is the median of the means
+# of PACE_BLOCK consecutive steps: a loop with a collective at every step makes the replicas' step
+# times equal over a few steps but not one by one (their compute takes turns being the longer), so
+# a median of single steps differed by up to 14% between equal replicas on loaded cores, where the
+# median of blocks stays within 4%; one long step (an evaluation, a checkpoint) moves one block.
+# A replica takes fewer than sync_every steps only when it is slower than the fastest by more
+# than SPEED_BAND in APART_REPORTS successive reports: one noisy round does not pace equal
+# replicas apart.
 SPEED_BAND = 0.2
-# While the replicas' plans differ, step() raises PacingStall once it has waited for the others'
-# hand-overs longer than the longest planned round times STALL_ROUNDS, and at least STALL_SHARE of
-# the optimizer's timeout (benchmarks/pacing_noise.py measured how long those waits are).
+PACE_BLOCK = 4
+APART_REPORTS = 2
+# While the replicas' plans differ, a replica whose round must land waits for the others'
+# hand-overs at most PATIENCE_STEPS of its own inner steps (at least PATIENCE_SECONDS), then goes
+# on taking inner steps and lands the round when it completes: a loop's own collective at every
+# step pairs step k with step k on every replica, and nothing waits in a circle. PacingStall is
+# raised only once a round has waited for the others' hand-overs longer than the longest planned
+# round times STALL_ROUNDS, and at least STALL_SHARE of the optimizer's timeout: some replica
+# stopped stepping.
+PATIENCE_STEPS = 1.0
+PATIENCE_SECONDS = 0.05
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
 
 
 def pace_window(sync_every: int) -> int:
-    """How many of a replica's last step times its pace is the median of: a round's worth (so a
+    """How many of a replica's last step times its pace is measured over: a round's worth (so a
     gap must hold over most of a round's steps to count), across rounds (a replica that takes a
-    few steps a round, or a last round of one step, is measured over as many), at least 8."""
-    return max(sync_every, 8)
+    few steps a round, or a last round of one step, is measured over as many), at least 4
+    blocks of :data:`PACE_BLOCK`."""
+    return max(sync_every, 4 * PACE_BLOCK)
+
+
+def block_median(times: Sequence[float]) -> float:
+    """The median of the means of consecutive blocks of :data:`PACE_BLOCK` step times (the
+    oldest block may be shorter); 0 for none."""
+    if not times:
+        return 0.0
+    times = list(times)
+    first = len(times) % PACE_BLOCK or PACE_BLOCK
+    blocks = [times[:first]] + [times[i : i + PACE_BLOCK] for i in range(first, len(times), PACE_BLOCK)]
+    return statistics.median(statistics.fmean(block) for block in blocks)
 
 
 class PacingStall(RuntimeError):
-    """``step()`` waited for the other replicas' hand-overs far longer than their measured pace
-    explains while speed pacing gave them different plans: most likely a collective of the loop
-    at step counts, which paced replicas reach at different times."""
+    """A round has waited for the other replicas' hand-overs far longer than their measured pace
+    explains while speed pacing gave them different plans: some replica stopped stepping."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +108,7 @@ class HandOver:
         steps: inner steps it took since its last hand-over.
         weight: the ``accumulate()`` weights of those steps' updates (its tokens, or
             micro-batches by default): its pseudo-gradient's weight in the mean.
-        step_seconds: its seconds per inner step over them, the time ``step()`` waited for a
-            round left out (0: not measured).
+        step_seconds: its seconds per inner step (:meth:`Pacing.pace`; 0: not measured).
         stop: it asks every replica to stop (``request_stop()``) at this round.
         finishing: the round is its last (``finish()``).
     """
@@ -154,10 +182,10 @@ class Pacing:
     launches after ``plan[r]`` steps: its schedule's, or with ``"speed"`` the last landed
     round's report's. ``"speed"`` starts in lockstep (``sync_every`` each) and stays there
     while every replica's speed is within :data:`SPEED_BAND` of the fastest's (replicas of
-    equal speed: the lockstep run, bit for bit); a replica slower than that takes
-    ``clamp(floor(H t_min / t_r + 1/2), max(1, D), H)`` steps, so a round takes about the same
-    time on each. ``t_r`` is replica r's median step-to-step time over its last
-    :func:`pace_window` steps, its waits for a round left out.
+    equal speed: the lockstep run, bit for bit); once a replica is slower than that in
+    :data:`APART_REPORTS` successive reports it takes ``clamp(floor(H t_min / t_r + 1/2),
+    max(1, D), H)`` steps, so a round takes about the same time on each. ``t_r`` is replica r's
+    pace (:meth:`pace`).
 
     Attributes:
         options: ``sync_every``, ``sync_delay``, ``pacing``.
@@ -166,6 +194,7 @@ class Pacing:
         paced_apart: some landed round gave the replicas different plans (then ``finish()``
             always runs a last round: a replica cannot know what the others hold).
         announce: this rank logs the warning when plans first differ (global rank 0).
+        gap_reports: how many successive landed reports showed a replica outside the band.
         round_steps / round_weight: the inner steps since the last launch, and the weights of
             their updates (what the next hand-over reports).
         stop_requested / should_stop: this replica asks to stop at its next launch; some
@@ -189,6 +218,7 @@ class Pacing:
     should_stop: bool = False
     paced_apart: bool = False
     announce: bool = False
+    gap_reports: int = 0
     finishing: bool = False
     peer_finished: list[int] = field(default_factory=list)
     last_report: ReplicaReport | None = None
@@ -204,9 +234,9 @@ class Pacing:
     # The last launch-to-launch times (whole rounds only): their median measures a round for
     # stop_after(seconds=), so one round a stall stretched does not end the job early.
     round_walls: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=5))
-    pace: float = 0.0  # seconds per step over the last round (0: not measured)
-    # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
-    # less the time step() waited for a round in it; timed from the end of the first step (None
+    round_pace: float = 0.0  # seconds per step over the last round (0: not measured)
+    # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, those
+    # in which step() waited for a round left out; timed from the end of the first step (None
     # before it).
     step_times: collections.deque[float] = field(default_factory=collections.deque)
     last_step_end: float | None = None
@@ -293,7 +323,8 @@ class Pacing:
         if self.last_step_end is None:  # the first step: both measures start at its end
             self.busy_since, self.waited = now, 0.0
         else:
-            self.step_times.append(now - self.last_step_end - self.waited_in_step)
+            if not self.waited_in_step:  # (after a wait, the loop's collective may wait for a replica still in its wait)
+                self.step_times.append(now - self.last_step_end)
             self.timed_steps += 1
         self.last_step_end, self.waited_in_step = now, 0.0
 
@@ -306,18 +337,21 @@ class Pacing:
         """This replica's pace since the last launch (0: not measured yet)."""
         return (now - self.busy_since - self.waited) / self.timed_steps if self.timed_steps else 0.0
 
-    def step_median(self) -> float:
-        """The median of this replica's last step times: the pace it reports (0: none timed yet)."""
-        return statistics.median(self.step_times) if self.step_times else 0.0
+    def pace(self) -> float:
+        """This replica's seconds per inner step, the one measure of its speed (0: none timed
+        yet): :func:`block_median` of its last step-to-step times, each step in which ``step()``
+        waited for a round left out (what a hand-over reports, what ``stop_after(seconds=)``
+        budgets with)."""
+        return block_median(self.step_times)
 
     def hand_over(self) -> HandOver:
-        """What the launch now tells the others (its pace: :meth:`step_median`); the round's
-        counters start again."""
+        """What the launch now tells the others (its pace: :meth:`pace`); the round's counters
+        start again."""
         now = time.perf_counter()
-        report = HandOver(self.round_steps, self.round_weight, self.step_median(), self.stop_requested, self.finishing)
+        report = HandOver(self.round_steps, self.round_weight, self.pace(), self.stop_requested, self.finishing)
         if self.timed_steps == self.round_steps and self.timed_steps:
             self.round_walls.append(now - self.busy_since)
-        self.pace = self.seconds_per_step(now) or self.pace
+        self.round_pace = self.seconds_per_step(now) or self.round_pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
         return report
@@ -351,13 +385,19 @@ class Pacing:
             self.should_stop = True
             self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
         if self.options.pacing == SPEED:
-            self.plan = self.speed_plan(report)
+            plan = self.speed_plan(report)
+            self.gap_reports = self.gap_reports + 1 if len(set(plan)) > 1 else 0
+            # From equal plans a gap must hold over APART_REPORTS successive reports; once apart,
+            # every report's plan.
+            if len(set(self.plan)) == 1 and self.gap_reports < APART_REPORTS:
+                plan = [self.options.sync_every] * len(plan)
+            self.plan = plan
         if len(set(self.plan)) > 1 and not self.paced_apart:
             self.paced_apart = True
             self._warn_paced_apart(report)
 
     def speed_plan(self, report: ReplicaReport) -> list[int]:
-        """Steps in proportion to each replica's measured speed, the fastest ``sync_every``:
+        """This report's steps in proportion to each replica's measured speed, the fastest ``sync_every``:
         ``sync_every`` for a replica within :data:`SPEED_BAND` or one step of the fastest,
         otherwise at least the delay a round lands after; the plan as it was while any
         replica's speed is unmeasured."""
@@ -383,45 +423,55 @@ class Pacing:
         paces = ", ".join(f"{1000 * s:.1f}" for s in report.step_seconds)
         message = (
             f"acco: speed pacing gives the replicas different inner steps per outer round from now on: plan "
-            f"{self.plan} (sync_every={self.options.sync_every}; measured ms per inner step: {paces}). The replicas "
-            "no longer reach the same step counts at the same time: a collective of the loop's own at step counts "
-            "(an all-reduce of the loss, an evaluation's broadcast, a time budget agreed at every step) would wait "
-            "for a replica that is waiting for the round. Run such collectives at outer rounds (when "
-            "opt.outer_rounds changes; stop on opt.should_stop with opt.stop_after()), or pass pacing='lockstep'."
+            f"{self.plan} (sync_every={self.options.sync_every}; measured ms per inner step: {paces}). A replica "
+            "that hands over first goes on taking inner steps until the round completes, so a collective of the "
+            "loop's own at step counts (an all-reduce of the loss, an evaluation's broadcast, a time budget agreed "
+            "at every step) still meets the others, but it holds every replica to the slowest one's pace. Run such "
+            "collectives at outer rounds (when opt.outer_rounds changes; stop on opt.should_stop with "
+            "opt.stop_after()), or pass pacing='lockstep'."
         )
         _log.warning(message)
         warnings.warn(message, UserWarning, stacklevel=2)
 
+    def patience(self) -> float | None:
+        """How long a landing waits for the other replicas' hand-overs before this replica goes
+        on taking inner steps (the round lands once it completes): :data:`PATIENCE_STEPS` of its
+        own steps, at least :data:`PATIENCE_SECONDS`, once the replicas were paced apart (their
+        launches are no longer at the same step counts, even where their plans are equal again);
+        None (as long as it takes) before, where every replica reaches every step count with the
+        others."""
+        if not self.paced_apart:
+            return None
+        return max(PATIENCE_STEPS * self.pace(), PATIENCE_SECONDS)
+
     def stall_bound(self, timeout: float) -> float | None:
-        """How long ``step()`` may wait for the other replicas' hand-overs of a round before
+        """How long a round may wait for the other replicas' hand-overs before
         :meth:`check_stall` raises: :data:`STALL_ROUNDS` times the longest planned round at the
         last report's paces, at least :data:`STALL_SHARE` of ``timeout``, at most ``timeout``;
-        None (no bound but the timeout) while the replicas' plans are equal, where every
-        replica reaches every step count with the others."""
-        if len(set(self.plan)) < 2:
+        None (no bound but the timeout) until the replicas were paced apart."""
+        if not self.paced_apart:
             return None
         seconds = self.last_report.step_seconds if self.last_report is not None else ()
         longest = max((steps * s for steps, s in zip(self.plan, seconds)), default=0.0)
         return min(timeout, max(STALL_ROUNDS * longest, STALL_SHARE * timeout))
 
     def check_stall(self, waited: float, bound: float | None, index: int) -> None:
-        """Raise once ``step()`` has waited ``waited`` seconds for the other replicas'
-        hand-overs of round ``index``, past ``bound`` (:meth:`stall_bound`).
+        """Raise once round ``index`` has waited ``waited`` seconds for the other replicas'
+        hand-overs, past ``bound`` (:meth:`stall_bound`).
 
         Raises:
-            PacingStall: naming the likely cause and the fix.
+            PacingStall: naming the likely cause.
         """
         if bound is None or waited <= bound:
             return
         raise PacingStall(
-            f"outer round {index}: replica {self.replica} waited {waited:.1f}s for the other replicas to hand over "
-            f"(bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
-            f"timeout); speed pacing gives the replicas different inner steps per round (plan {self.plan}). Most "
-            "likely the loop runs a collective of its own at step counts (an all-reduce of the loss, an evaluation's "
-            "broadcast, a time budget agreed at every step): a replica that takes more steps per round is waiting in "
-            "it for this one, which waits for that replica's round. Run such collectives at outer rounds (when "
-            "opt.outer_rounds changes; stop on opt.should_stop with opt.stop_after()), or pass pacing='lockstep' "
-            "(docs/loops.md, \"Loops with collectives of their own\"). The other replicas fail when this process exits."
+            f"outer round {index}: replica {self.replica} has waited {waited:.1f}s for the other replicas to hand "
+            f"over (bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
+            f"timeout; plan {self.plan}): some replica stopped taking inner steps (a hung data loader or device, "
+            "or a wait in its loop for something this replica never does, such as a collective only some replicas "
+            "call). A replica that hands over first goes on taking inner steps while it waits, so a collective "
+            "every replica calls at every step does not stall a round (docs/loops.md, \"Loops with collectives of "
+            "their own\"). The other replicas fail when this process exits."
         )
 
     def stop_after(self, steps: int | None, seconds: float | None) -> None:
@@ -451,7 +501,7 @@ class Pacing:
         if self.stop_seconds is None:
             return
         now = time.perf_counter()
-        per_step = self.step_median() or self.seconds_per_step(now) or self.pace
+        per_step = self.pace() or self.seconds_per_step(now) or self.round_pace
         if per_step:
             # (before any whole round: its steps)
             next_round = statistics.median(self.round_walls) if self.round_walls else self.options.sync_every * per_step
@@ -485,7 +535,7 @@ class Pacing:
         # equal plan is taken as never (finish() then decides as in lockstep).
         self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
         self.flight_report = flight_report
-        self.timed_steps, self.waited, self.pace = 0, 0.0, 0.0
+        self.timed_steps, self.waited, self.round_pace = 0, 0.0, 0.0
         self.round_walls.clear()
         self.step_times.clear()
         self.last_step_end, self.waited_in_step = None, 0.0

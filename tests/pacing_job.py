@@ -3,6 +3,7 @@ it (inside a rate-limited network namespace where the test asks for one).
 
     torchrun --nproc-per-node 2 tests/pacing_job.py OUT [--loop broadcast|allreduce|plain] [--pacing speed]
         [--outer-bits 32] [--steps 120] [--sync-every 30] [--sleep 0.01 0.03] [--collective-from 0]
+        [--hang-at 40 8]
 
 - ``broadcast``: rank 0's step count is broadcast at every inner step and decides the stop (the
   shape of a time budget agreed at every step);
@@ -10,9 +11,11 @@ it (inside a rate-limited network namespace where the test asks for one).
   logged mean loss), the stop at ``--steps``;
 - ``plain``: no collective of its own, the stop on ``opt.should_stop`` (``stop_after(steps=)``).
 
-Rank r sleeps ``--sleep[r]`` seconds in each inner step (a device that much slower). Each rank
-writes ``OUT/rank{r}.pt``: its parameters, inner steps, the plans of every round, the warnings
-it raised and logged, and the error it ended with (then it exits with status 1).
+Rank r sleeps ``--sleep[r]`` seconds in each inner step (a device that much slower); with
+``--hang-at STEP SECONDS`` rank 1 stops stepping for that long after its inner step STEP (a hung
+data loader). Each rank writes ``OUT/rank{r}.pt``: its parameters, inner steps, the plans of every
+round, the warnings it raised and logged, the held-out loss of the initial and of the final
+global values, and the error it ended with (then it exits with status 1).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main(argv: list[str]) -> int:
     add("--sleep", type=float, nargs="+", default=[0.0, 0.0])
     add("--collective-from", type=int, default=0)
     add("--timeout", type=float, default=30.0)
+    add("--hang-at", type=float, nargs=2, default=None)
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -60,6 +64,13 @@ def main(argv: list[str]) -> int:
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("acco").addHandler(handler)
     model = model_of(args.width)
+    held_out = torch.randn(64, args.width, generator=torch.Generator().manual_seed(1234))
+
+    def held_out_loss() -> float:
+        with torch.no_grad():
+            return float((model(held_out) - held_out).square().mean())
+
+    loss_start = held_out_loss()
     opt = AccoOptimizer(model, torch.optim.AdamW, mode="local", sync_every=args.sync_every, outer_bits=args.outer_bits,
                         pacing=args.pacing, lr=1e-3, timeout=datetime.timedelta(seconds=args.timeout))
     if args.loop == "plain":
@@ -78,6 +89,8 @@ def main(argv: list[str]) -> int:
                 time.sleep(args.sleep[rank])
                 opt.step()
                 steps += 1
+                if args.hang_at is not None and rank == 1 and steps == int(args.hang_at[0]):
+                    time.sleep(args.hang_at[1])
                 if args.loop == "broadcast":
                     count.fill_(steps)
                     dist.broadcast(count, 0)
@@ -98,6 +111,7 @@ def main(argv: list[str]) -> int:
     torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "steps": steps,
                 "plans": plans, "warnings": [str(w.message) for w in caught if "speed pacing" in str(w.message)],
                 "logged": [m for m in logged if "speed pacing" in m], "error": error, "failed_at": failed_at,
+                "loss_start": loss_start, "loss_end": held_out_loss() if error is None else None,
                 "round_seconds": [s.lane_seconds for s in opt.round_stats]}, args.out / f"rank{rank}.pt")
     if error is not None:
         return 1
