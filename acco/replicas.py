@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
 
-__all__ = ["APART_REPORTS", "HandOver", "PACE_BLOCK", "PATIENCE_SECONDS", "PATIENCE_STEPS", "Pacing", "PacingStall",
+__all__ = ["APART_REPORTS", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS", "PATIENCE_SECONDS", "Pacing", "PacingStall",
            "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE", "block_median", "pace_window"]
 
 _log = logging.getLogger("acco")
@@ -63,14 +63,15 @@ _log = logging.getLogger("acco")
 SPEED_BAND = 0.2
 PACE_BLOCK = 4
 APART_REPORTS = 2
-# While the replicas' plans differ, a replica whose round must land waits for the others'
-# hand-overs at most PATIENCE_STEPS of its own inner steps (at least PATIENCE_SECONDS), then goes
-# on taking inner steps and lands the round when it completes: a loop's own collective at every
-# step pairs step k with step k on every replica, and nothing waits in a circle. PacingStall is
-# raised only once a round has waited for the others' hand-overs longer than the longest planned
-# round times STALL_ROUNDS, and at least STALL_SHARE of the optimizer's timeout: some replica
-# stopped stepping.
-PATIENCE_STEPS = 1.0
+# Once speed pacing gave the replicas different plans, a replica whose round must land waits for
+# the others' hand-overs as long as the plan expects (the longest planned round less its own, at
+# the last report's paces) and PATIENCE_ROUNDS of the longest planned round more (at least
+# PATIENCE_SECONDS), then goes on taking inner steps and lands the round when it completes: a
+# loop's own collective at a step count then meets every replica at that step, and nothing waits
+# in a circle. PacingStall is raised only once a round has waited for the others' hand-overs
+# longer than the longest planned round times STALL_ROUNDS, and at least STALL_SHARE of the
+# optimizer's timeout: some replica stopped stepping.
+PATIENCE_ROUNDS = 0.25
 PATIENCE_SECONDS = 0.05
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
@@ -235,10 +236,11 @@ class Pacing:
     # stop_after(seconds=), so one round a stall stretched does not end the job early.
     round_walls: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=5))
     round_pace: float = 0.0  # seconds per step over the last round (0: not measured)
-    # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, those
-    # in which step() waited for a round left out; timed from the end of the first step (None
-    # before it).
+    # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
+    # less the time step() waited for a round in it, and those that held such a wait; timed from
+    # the end of the first step (None before it).
     step_times: collections.deque[float] = field(default_factory=collections.deque)
+    waited_steps: collections.deque[bool] = field(default_factory=collections.deque)
     last_step_end: float | None = None
     waited_in_step: float = 0.0
 
@@ -246,6 +248,7 @@ class Pacing:
         if not self.plan:
             self.plan = self.first_plan()
         self.step_times = collections.deque(maxlen=pace_window(self.options.sync_every))
+        self.waited_steps = collections.deque(maxlen=pace_window(self.options.sync_every))
 
     def join(self, replica: int, replicas: int) -> None:
         """This replica's number among ``replicas``, once the outer round's group is known.
@@ -323,8 +326,8 @@ class Pacing:
         if self.last_step_end is None:  # the first step: both measures start at its end
             self.busy_since, self.waited = now, 0.0
         else:
-            if not self.waited_in_step:  # (after a wait, the loop's collective may wait for a replica still in its wait)
-                self.step_times.append(now - self.last_step_end)
+            self.step_times.append(now - self.last_step_end - self.waited_in_step)
+            self.waited_steps.append(self.waited_in_step > 0)
             self.timed_steps += 1
         self.last_step_end, self.waited_in_step = now, 0.0
 
@@ -339,10 +342,13 @@ class Pacing:
 
     def pace(self) -> float:
         """This replica's seconds per inner step, the one measure of its speed (0: none timed
-        yet): :func:`block_median` of its last step-to-step times, each step in which ``step()``
-        waited for a round left out (what a hand-over reports, what ``stop_after(seconds=)``
-        budgets with)."""
-        return block_median(self.step_times)
+        yet): :func:`block_median` of its last step-to-step times, each less the time ``step()``
+        waited for a round in it, and without the steps that held such a wait while at least
+        :data:`PACE_BLOCK` others are timed (after its wait, the loop's own collective may wait
+        for a replica still in its own: not this replica's speed). What a hand-over reports, and
+        what ``stop_after(seconds=)`` budgets with."""
+        clear = [t for t, waited in zip(self.step_times, self.waited_steps) if not waited]
+        return block_median(clear if len(clear) >= PACE_BLOCK else self.step_times)
 
     def hand_over(self) -> HandOver:
         """What the launch now tells the others (its pace: :meth:`pace`); the round's counters
@@ -435,14 +441,21 @@ class Pacing:
 
     def patience(self) -> float | None:
         """How long a landing waits for the other replicas' hand-overs before this replica goes
-        on taking inner steps (the round lands once it completes): :data:`PATIENCE_STEPS` of its
-        own steps, at least :data:`PATIENCE_SECONDS`, once the replicas were paced apart (their
-        launches are no longer at the same step counts, even where their plans are equal again);
-        None (as long as it takes) before, where every replica reaches every step count with the
-        others."""
-        if not self.paced_apart:
+        on taking inner steps (the round lands once it completes): the longest planned round less
+        its own and :data:`PATIENCE_ROUNDS` of the longest more, at the last report's paces (at
+        least :data:`PATIENCE_SECONDS`), once speed pacing gave the replicas
+        different plans (their launches are no longer at the same step counts, even where their
+        plans are equal again); None (as long as it takes) before, where every replica reaches
+        every step count with the others, and with a fixed schedule, whose rounds are the
+        recurrence's bit for bit."""
+        if not self.paced_apart or self.options.pacing != SPEED:
             return None
-        return max(PATIENCE_STEPS * self.pace(), PATIENCE_SECONDS)
+        seconds = self.last_report.step_seconds if self.last_report is not None else ()
+        rounds = [steps * s for steps, s in zip(self.plan, seconds)]
+        if not rounds:
+            return PATIENCE_SECONDS
+        longest, own = max(rounds), rounds[self.replica] if self.replica < len(rounds) else 0.0
+        return max(longest - own + PATIENCE_ROUNDS * longest, PATIENCE_SECONDS)
 
     def stall_bound(self, timeout: float) -> float | None:
         """How long a round may wait for the other replicas' hand-overs before
@@ -464,6 +477,17 @@ class Pacing:
         """
         if bound is None or waited <= bound:
             return
+        if self.options.pacing != SPEED:
+            raise PacingStall(
+                f"outer round {index}: replica {self.replica} waited {waited:.1f}s for the other replicas to hand over "
+                f"(bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
+                f"timeout); the schedule pacing={list(self.plan)} gives the replicas different inner steps per round, "
+                "and its replicas wait for each other's hand-overs (a schedule's rounds are reproducible). Most likely "
+                "the loop runs a collective of its own at step counts, which a replica that takes more steps per round "
+                "waits in for this one: run such collectives at outer rounds, or pass pacing='speed' (a replica that "
+                "hands over first goes on stepping) or 'lockstep' (docs/loops.md, \"Loops with collectives of their "
+                "own\"). The other replicas fail when this process exits."
+            )
         raise PacingStall(
             f"outer round {index}: replica {self.replica} has waited {waited:.1f}s for the other replicas to hand "
             f"over (bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
@@ -509,9 +533,9 @@ class Pacing:
                 self.stop_requested = True
 
     def state_dict(self) -> dict[str, Any]:
-        """The plan, the steps and weights since the last hand-over and the stop state (the
-        wall-clock parts are measured again after a load); the round in flight's report is
-        the loop's to save."""
+        """The plan (with the report it came from and the successive reports of a gap), the
+        steps and weights since the last hand-over and the stop state (the wall-clock parts are
+        measured again after a load); the round in flight's report is the loop's to save."""
         return {
             "plan": list(self.plan),
             "hand_over_steps": self.round_steps,
@@ -520,6 +544,8 @@ class Pacing:
             "should_stop": self.should_stop,
             "stop_steps": self.stop_steps,
             "paced_apart": self.paced_apart,
+            "gap_reports": self.gap_reports,
+            "last_report": None if self.last_report is None else self.last_report.as_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any], round_steps: int, flight_report: ReplicaReport | None) -> None:
@@ -535,7 +561,13 @@ class Pacing:
         # equal plan is taken as never (finish() then decides as in lockstep).
         self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
         self.flight_report = flight_report
+        self.gap_reports = int(saved.get("gap_reports", 0))
+        last = saved.get("last_report")
+        # (the plan's paces: how long a landing waits for the others; a state saved at another
+        # number of replicas measures them again)
+        self.last_report = None if last is None or len(last["steps"]) != self.replicas else ReplicaReport.from_dict(last)
         self.timed_steps, self.waited, self.round_pace = 0, 0.0, 0.0
         self.round_walls.clear()
         self.step_times.clear()
+        self.waited_steps.clear()
         self.last_step_end, self.waited_in_step = None, 0.0

@@ -1014,6 +1014,19 @@ def run_ranks(args: argparse.Namespace, nproc: int, *extra: str, rate: str | Non
         return {**read_json(out), "runtime_s": time.perf_counter() - started}
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` busy processes (``sh -c 'while :; do :; done'``) for the block's duration: other
+    work sharing the cores, as data loaders, logging or a neighbour's job do on a real node."""
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The driver's results, with the benchmark's name and the machine, to ``args.out``."""
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,

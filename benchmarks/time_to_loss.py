@@ -6,6 +6,8 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --rates 440mbit 140mbit  # given rates: no calibration
     sudo $(which python) benchmarks/time_to_loss.py --quick    # 1 seed, 1 rate, 6 s per method, results/scratch/
     sudo $(which python) benchmarks/time_to_loss.py --slowdown 1:3 --rates 425mbit --budget 20   # rank 1 3x slower
+    sudo $(which python) benchmarks/time_to_loss.py --methods local-h16-b4 --links comm~compute --rates 50mbit \
+        --seeds 1337 --local-stop broadcast --cpu-hogs 1    # a per-step collective, beside a busy process
 
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
@@ -78,6 +80,12 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup", type=int, default=10, help="optimizer updates (DiLoCo: inner steps) of linear warm-up")
     add("--grad-clip", type=float, default=1.0, help="0: off")
     common.model_arguments(parser, common.ModelConfig(n_embd=128, seq_len=64))
+    add("--local-stop", choices=["agreement", "broadcast"], default="agreement",
+        help="local methods: stop on the optimizer's agreement (stop_after), or on rank 0's clock broadcast at "
+             "every inner step (a loop with a collective of its own at every step)")
+    add("--cpu-hogs", type=int, default=0, metavar="N",
+        help="run beside N busy processes (sh -c 'while :; do :; done'), as on a node where other work shares the "
+             "cores; the measurement then does not wait for a quiet machine")
     add("--ranks", type=int, default=2)
     add("--max-quiet-wait", type=float, default=900.0,
         help="seconds to wait, before each method, for other processes to leave the CPU")
@@ -103,6 +111,10 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--rates takes one rate per rate-limited link ({', '.join(limited) or 'none'}), got {args.rates}"
     if args.slow is not None and not 0 <= args.slow[0] < args.ranks:
         return f"--slowdown {args.slowdown}: rank {args.slow[0]} is not one of the {args.ranks} ranks"
+    if args.cpu_hogs < 0:
+        return f"--cpu-hogs must be >= 0, got {args.cpu_hogs}"
+    if args.cpu_hogs:
+        args.max_quiet_wait = 0.0
     if args.round_cap is not None and args.round_cap < args.micro_batches // 2:
         return f"--round-cap must be at least a round's micro-batches ({args.micro_batches // 2}), got {args.round_cap}"
     if args.slow is not None and "--out" not in args.argv and "RANK" not in os.environ:
@@ -209,10 +221,14 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
                           method.eval_params(params)))
         clock.pause(time.perf_counter() - started)
 
-    # acco's local steps stop on the optimizer's own agreement, decided at an outer round: the
-    # agreed clock's all-reduce at every inner step would put paced replicas back in lockstep.
+    # acco's local steps stop on the optimizer's own agreement, decided at an outer round (the
+    # agreed clock's all-reduce at every inner step would put paced replicas back in lockstep), or
+    # with --local-stop broadcast on rank 0's clock, broadcast at every inner step.
     local = method.local_opt if method.spec.family == "local" else None
-    if local is not None:
+    broadcast = local is not None and args.local_stop == "broadcast"
+    rank0_clock = torch.zeros(1, dtype=torch.float64)
+    plans: list[list[int]] = []  # local methods: the pacing plan after each landed outer round
+    if local is not None and not broadcast:
         local.stop_after(steps=args.steps, seconds=args.budget)
     while True:
         record = common.train_round(method, next_batch, slowdown=slowdown, max_micro_batches=args.round_cap)
@@ -225,7 +241,14 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
                 follow_batch(method, args, scheduler, method.opt.committed_weight - committed_weight)
                 committed_weight = method.opt.committed_weight
         if local is not None:
-            if local.should_stop:
+            if record.committed:
+                plans.append(local.replica_steps)
+            if broadcast:
+                rank0_clock.fill_(now)
+                dist.broadcast(rank0_clock, 0)
+                if rank0_clock.item() >= args.budget or (args.steps is not None and rounds >= args.steps):
+                    break
+            elif local.should_stop:
                 break
             if record.committed and now >= next_eval:  # rank 0's snapshots are the ones evaluated
                 snapshot(now)
@@ -281,7 +304,8 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
             result["lo_bytes_per_sync"] = lo_bytes / method.outer_steps
     if method.spec.family == "local":
         result.update(sync_every=method.sync_every, sync_delay=method.sync_delay, inner_steps=method.inner_steps,
-                      outer_steps=method.local_opt.outer_rounds, **replica_telemetry(method.local_opt, end_s))
+                      outer_steps=method.local_opt.outer_rounds, local_stop=args.local_stop, plans=plans,
+                      pacing=method.local_opt.options.local.pacing, **replica_telemetry(method.local_opt, end_s))
         if lo_bytes is not None and method.local_opt.outer_rounds:
             result["lo_bytes_per_sync"] = lo_bytes / method.local_opt.outer_rounds
     if method.round_stats():
@@ -340,6 +364,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                    "micro_batches_per_update": args.micro_batches, "warmup_updates": args.warmup,
                    "slowdown": None if args.slow is None else {"rank": args.slow[0], "factor": args.slow[1]},
                    "round_cap": args.round_cap, "lr_follows_batch": args.lr_follows_batch,
+                   "local_stop": args.local_stop, "cpu_hogs": args.cpu_hogs,
                    "schedule": "linear warm-up, then constant", "methods": args.methods,
                    "diloco": {"implementation": "torchft", "torchft": common.torchft_version(),
                               "outer_optimizer": "SGD, Nesterov momentum 0.9, lr 0.7"},
@@ -362,8 +387,9 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for name, rate in results["rates"].items():
         for seed in args.seeds:
             print(f"time to loss: {name} ({rate}), seed {seed}", flush=True)
-            run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
-                                   rate=None if rate == UNLIMITED else rate, netns=True)
+            with common.cpu_hogs(args.cpu_hogs):
+                run = common.run_ranks(args, args.ranks, "--seed", str(seed), "--label", f"{name} seed {seed}",
+                                       rate=None if rate == UNLIMITED else rate, netns=True)
             run.update(label=name, rate=rate)
             results["runs"].append(run)
             results["runtime_s"] = time.perf_counter() - started

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from acco.options import LocalOptions, Mode
-from acco.replicas import (APART_REPORTS, PACE_BLOCK, PATIENCE_SECONDS, PATIENCE_STEPS, SPEED_BAND, STALL_ROUNDS,
+from acco.replicas import (APART_REPORTS, PACE_BLOCK, PATIENCE_ROUNDS, PATIENCE_SECONDS, SPEED_BAND, STALL_ROUNDS,
                            STALL_SHARE, Pacing, PacingStall, ReplicaReport, block_median, pace_window)
 from tests.helpers import assert_identical_across_ranks, assert_params_equal, this_rank
 from tests.ranks import run_script
@@ -232,7 +232,8 @@ def test_the_pace_is_a_median_of_block_means(monkeypatch) -> None:
     last pace_window(sync_every) steps, across rounds, each step in which step() waited for a
     round left out: one long step (an evaluation) moves one block, not the median; the step
     after a wait for a round (where the loop's own collective may wait for a replica still in its
-    wait) is not timed; a one-step round reports the window's pace. Steps whose times take turns
+    wait) is left out while PACE_BLOCK others are timed (a replica that lands a round at every
+    step is still measured, its waits taken off); a one-step round reports the window's pace. Steps whose times take turns
     being long and short (two replicas' compute under a per-step collective) give the mean."""
     assert PACE_BLOCK == 4 and pace_window(8) == 16 and pace_window(30) == 30
     assert block_median([]) == 0.0
@@ -247,23 +248,40 @@ def test_the_pace_is_a_median_of_block_means(monkeypatch) -> None:
         if step == 6:
             paced.waited_for_round(2.0)  # step() waited 2 s for a round: the next step is not timed
             now[0] += 2.5
-    assert list(paced.step_times).count(pytest.approx(0.1)) == 14 and len(paced.step_times) == 15
+    assert len(paced.step_times) == 16 and list(paced.waited_steps).count(True) == 1
     assert paced.hand_over().step_seconds == pytest.approx(0.1)
     now[0] += 0.1
     paced.stepped(1.0)  # a one-step round (finish()'s)
     assert paced.hand_over().step_seconds == pytest.approx(0.1)
+    every_step = pacing(every=16)
+    for _ in range(8):  # one step a round: a wait for a round in every step
+        now[0] += 0.3
+        every_step.stepped(1.0)
+        every_step.waited_for_round(1.0)
+        now[0] += 1.0
+    assert every_step.pace() == pytest.approx(0.3)
 
 
 def test_the_patience() -> None:
-    """Once the replicas were paced apart a landing waits for the others' hand-overs
-    PATIENCE_STEPS of this replica's pace, at least PATIENCE_SECONDS, equal plans again or not;
-    before, as long as it takes (None)."""
+    """Once speed pacing paced the replicas apart a landing waits for the others' hand-overs as
+    long as the plan expects (the longest planned round less this replica's) and PATIENCE_ROUNDS
+    of the longest planned round more, at least PATIENCE_SECONDS, equal plans again or not;
+    before, and with a fixed schedule, as long as it takes (None)."""
     paced = pacing()
     assert paced.patience() is None
-    paced.plan, paced.paced_apart = [30, 10], True
-    assert paced.patience() == PATIENCE_SECONDS  # nothing measured yet
-    paced.step_times.extend([0.2] * 8)
-    assert paced.patience() == pytest.approx(max(PATIENCE_STEPS * 0.2, PATIENCE_SECONDS))
+    paced.landed(report((0.1, 0.35)))
+    with pytest.warns(UserWarning, match="speed pacing"):
+        paced.landed(report((0.1, 0.35)))
+    assert paced.plan == [30, 9]
+    longest = 30 * 0.1  # replica 0's planned round; replica 1's: 9 x 0.35 = 3.15 s
+    assert paced.patience() == pytest.approx(9 * 0.35 - 3.0 + PATIENCE_ROUNDS * 9 * 0.35)  # replica 0 waits for 1
+    paced.replica = 1
+    assert paced.patience() == pytest.approx(PATIENCE_ROUNDS * 9 * 0.35)
+    paced.landed(report((0.1, 0.1)))
+    assert paced.plan == [30, 30] and paced.patience() == pytest.approx(PATIENCE_ROUNDS * longest)
+    paced.landed(report((0.001, 0.001)))
+    assert paced.patience() == PATIENCE_SECONDS
+    assert pacing(schedule=(30, 10)).patience() is None  # a schedule's rounds are the recurrence's
 
 
 def test_the_stall_bound() -> None:
@@ -295,6 +313,7 @@ def test_a_stalled_step_or_round_does_not_end_a_seconds_budget_early() -> None:
     paced.stop_after(None, 60.0)
     now = time.perf_counter()
     paced.step_times.extend([0.05] * 9 + [8.0])
+    paced.waited_steps.extend([False] * 10)
     paced.round_walls.extend([0.55] * 4 + [8.5])
     paced.busy_since, paced.timed_steps, paced.round_steps = now - 8.0, 1, 1  # the stall in this round's first step
     paced.check_budget(inner_steps=1)
