@@ -11,8 +11,10 @@ with the default pacing and with ``pacing="lockstep"``.
 
 Each run is one ``benchmarks/time_to_loss.py`` launch, its JSON in ``results/pacing_loops/``.
 The table: whether the run ended with a result, each replica's inner steps, every plan the
-pacing held after a landed round (equal replicas: ``[16, 16]`` only), and the held-out loss of
-the global values at the end.
+pacing held after a landed round (equal replicas: ``[16, 16]`` only), the largest gap between
+the replicas' reported paces over the rounds after the first (1 - the slower's speed as a share
+of the faster's; pacing engages past 0.2 in two successive rounds), and the held-out loss of the
+global values at the end.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def table(names: list[str]) -> str:
         for plan in run["plans"]:
             if plan not in plans:
                 plans.append(plan)
+        gaps = [1.0 - min(p) / max(p) for p in run.get("paces", [])[1:] if p and min(p) > 0]  # (the first: start-up)
         rows.append([name, "yes", " / ".join(str(s) for s in run["inner_steps_by_rank"]), str(len(run["plans"])),
-                     " ".join(str(p) for p in plans), f"{run['final_loss']:.4f}"])
+                     " ".join(str(p) for p in plans), f"{max(gaps):.3f}" if gaps else "-", f"{run['final_loss']:.4f}"])
     return common.md_table(["run", "ended with a result", "inner steps (rank 0 / rank 1)", "rounds landed",
-                            "plans held", "held-out loss"], rows)
+                            "plans held", "largest pace gap", "held-out loss"], rows)
 
 
 def main() -> None:
