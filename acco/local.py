@@ -215,13 +215,14 @@ class LocalLoop(Loop):
         clock.launched_at = clock.inner_steps
 
     def _land_or_go_on(self) -> None:
-        """The round in flight lands now; or, while the replicas' plans differ and it is still
-        waiting for the others' hand-overs after :meth:`acco.replicas.Pacing.patience`, this
-        replica goes on taking inner steps and the round lands *late*, at the first ``step()``
-        that finds it complete, the progress made since its launch kept on top of the new global
-        values (a loop's own collective at every step then meets every replica at the same step
-        count: nobody waits in a circle). A late round the others never hand over to raises
-        :class:`acco.replicas.PacingStall` after :meth:`acco.replicas.Pacing.stall_bound`."""
+        """The round in flight lands now; or, once speed pacing paced the replicas apart, if it is
+        still waiting for the others' hand-overs after :meth:`acco.replicas.Pacing.patience`,
+        this replica goes on taking inner steps and the round lands *late*, at the first
+        ``step()`` that finds it complete, the progress made since its launch kept on top of the
+        new global values (a loop's own collective at a step count then meets every replica at
+        that step: nobody waits in a circle); its next launch waits for that landing. A late
+        round the others never hand over to raises :class:`acco.replicas.PacingStall` after
+        :meth:`acco.replicas.Pacing.stall_bound`."""
         clock, round_ = self.clock, self._schedule.in_flight
         if clock.late:
             if round_.future.done():
