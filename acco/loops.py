@@ -114,6 +114,10 @@ class Loop:
         pending_sums_across_ranks: the gradients accumulated for the next update are summed over
             every rank by it, so a checkpoint may hold their sum on rank 0 (False: each rank's
             are its own, and the loop's state keeps them).
+        rounds_per_update: the rounds (``step()`` calls) one committed update of K micro-batches
+            spans where a framework's step is one update (:mod:`acco.integrations.schedules`):
+            ``acco``'s estimate and commit round of K/2 each; one round of K otherwise
+            (``local``: one inner update).
 
     Attributes:
         shard_optimizers: per param group, the optimizer stepped on this rank's shard on the
@@ -127,6 +131,7 @@ class Loop:
     master_in_params: ClassVar[bool] = False
     grad_scaler_refusal: ClassVar[str | None] = None
     pending_sums_across_ranks: ClassVar[bool] = True
+    rounds_per_update: ClassVar[int] = 1
 
     shard_optimizers: list[torch.optim.Optimizer | None]
     lane_work: LaneWork
@@ -399,6 +404,7 @@ class AccoLoop(UpdateLoop):
 
     mode = Mode.ACCO
     round_kinds = (RoundKind.ESTIMATE, RoundKind.COMMIT)
+    rounds_per_update = 2  # the estimate round, then the commit round that applies both rounds' gradients
     grad_scaler_refusal = (
         "torch.amp.GradScaler is not supported in mode='acco': a commit round sums the estimate "
         "round's gradients and its own, and the scale may change between the two rounds. Use bf16 "

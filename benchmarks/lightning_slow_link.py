@@ -1,17 +1,17 @@
 """Lightning behind a slow link: the same LightningModule (the GPT of ``examples/train_gpt.py``
 on the standard library's text) trained by the ranks of one machine whose loopback is limited
 to 50 Mbit/s (``benchmarks/netns.py``), each strategy for the same wall-clock budget: Lightning's
-``strategy="ddp"`` against ``AccoStrategy`` in ``acco`` and ``local`` mode, the held-out loss
-side by side.
+``strategy="ddp"`` against ``AccoStrategy`` in each mode, the held-out loss side by side.
 
-    sudo $(which python) benchmarks/lightning_slow_link.py             # 3 strategies x 60 s: ~4 min
+    sudo $(which python) benchmarks/lightning_slow_link.py             # 5 strategies x 60 s: ~6 min
     sudo $(which python) benchmarks/lightning_slow_link.py --quick     # 10 s each, results/scratch/
 
-Every strategy sees the same samples per committed update: DDP accumulates ``--accumulate``
-micro-batches per step; acco's update spans two rounds, so each round (a Trainer step)
-accumulates half of them; local mode takes ``--accumulate`` per inner step and averages the
-replicas every ``--sync-every`` steps. The budget ends at the first step boundary the ranks'
-agreed clock reaches it (``time_to_loss.AgreedClock``: no blocking collective per step).
+Every strategy gets the same Trainer arguments (``accumulate_grad_batches=--accumulate``,
+``gradient_clip_val``, the same LightningModule and data): a Trainer step is one committed
+update of ``--accumulate`` micro-batches per rank in every mode (``acco``: an estimate round of
+half of them, then a commit round; ``local``: an inner update, the replicas averaged every
+``--sync-every`` steps). The budget ends at the first step boundary the ranks' agreed clock
+reaches it (``time_to_loss.AgreedClock``: no blocking collective per step).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 __all__ = ["BENCHMARK", "blocks", "runtimes"]
 
-STRATEGIES = ("ddp", "acco", "local")
+STRATEGIES = ("ddp", "sync", "dpu", "acco", "local")
 DEFAULTS = common.ModelConfig(n_layer=2, n_embd=128, n_head=4, seq_len=128, batch_size=8, lr=1e-3)
 EVAL_SEED = 4321
 
@@ -45,7 +45,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--ranks", type=int, default=2)
     add("--rate", default="50mbit", help="the loopback's rate limit (a tc rate)")
     add("--budget", type=float, default=60.0, help="wall-clock seconds of training per strategy")
-    add("--accumulate", type=int, default=4, help="micro-batches per rank per committed update (even)")
+    add("--accumulate", type=int, default=4, help="accumulate_grad_batches: micro-batches per rank per update (even)")
     add("--sync-every", type=int, default=8, help="local mode: inner steps per outer round")
     add("--lr", type=float, default=DEFAULTS.lr)
     add("--grad-clip", type=float, default=1.0, help="gradient_clip_val (0: off)")
@@ -54,7 +54,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> str | None:
     if args.accumulate < 2 or args.accumulate % 2:
-        return f"--accumulate must be even and at least 2 (acco splits it over two rounds), got {args.accumulate}"
+        return f"--accumulate must be even and at least 2 (acco splits an update into two rounds), got {args.accumulate}"
     return None
 
 
@@ -117,15 +117,13 @@ def budget_callback(budget: float) -> Any:
     return Budget()
 
 
-def strategy_of(name: str, args: argparse.Namespace) -> tuple[Any, int]:
-    """The Trainer's strategy and its ``accumulate_grad_batches``."""
+def strategy_of(name: str, args: argparse.Namespace) -> Any:
+    """The Trainer's strategy (the only Trainer argument that differs)."""
     from acco.integrations.lightning import AccoStrategy
 
     if name == "ddp":
-        return "ddp", args.accumulate
-    if name == "acco":
-        return AccoStrategy(mode="acco"), args.accumulate // 2
-    return AccoStrategy(mode="local", sync_every=args.sync_every), args.accumulate
+        return "ddp"
+    return AccoStrategy(mode=name, **({"sync_every": args.sync_every} if name == "local" else {}))
 
 
 def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
@@ -137,11 +135,11 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     evaluation = eval_batches(held_out, args.eval_batches, config.batch_size, config.seq_len, EVAL_SEED, ctx.device)
     module = make_module(config)
     initial = evaluate(module.model, evaluation)
-    strategy, accumulate = strategy_of(args.strategy, args)
     budget = budget_callback(args.budget)
     pl.seed_everything(config.seed, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=ctx.world_size, strategy=strategy, accumulate_grad_batches=accumulate,
+        accelerator="cpu", devices=ctx.world_size, strategy=strategy_of(args.strategy, args),
+        accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.grad_clip or None, max_epochs=1, max_steps=-1, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[budget],
         use_distributed_sampler=False,
@@ -155,10 +153,10 @@ def rank(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     steps = trainer.global_step
     return {
         "strategy": args.strategy,
-        "accumulate_grad_batches": accumulate,
+        "accumulate_grad_batches": args.accumulate,
         "steps": steps,
         "updates": steps if acco is None else acco.num_updates,
-        "micro_batches_per_rank": steps * accumulate,
+        "micro_batches_per_rank": steps * args.accumulate,
         "train_s": budget.seconds,
         "fit_s": fit_s,
         "initial_loss": initial,
@@ -181,17 +179,19 @@ def table(data: dict[str, Any]) -> str:
     runs = data["runs"]
     first = next(iter(runs.values()))
     intro = (f"{common.describe(data['config'], first['parameters'])}, {data['ranks']} ranks behind "
-             f"{common.rate_text(data['rate'])}, {data['budget_s']:.0f} s of training each, "
-             f"{data['accumulate']} micro-batches per rank per update, `gradient_clip_val={data['grad_clip']}`; "
-             f"held-out loss at the start {first['initial_loss']:.3f}. "
+             f"{common.rate_text(data['rate'])}, {data['budget_s']:.0f} s of training each, the same Trainer "
+             f"arguments for every strategy (`accumulate_grad_batches={data['accumulate']}`, "
+             f"`gradient_clip_val={data['grad_clip']}`: a Trainer step is one update of {data['accumulate']} "
+             f"micro-batches per rank); held-out loss at the start {first['initial_loss']:.3f}. "
              "Command: `sudo $(which python) benchmarks/lightning_slow_link.py`.\n\n")
-    names = {"ddp": '`strategy="ddp"`', "acco": '`AccoStrategy(mode="acco")`',
+    names = {"ddp": '`strategy="ddp"`', "sync": '`AccoStrategy(mode="sync")`', "dpu": '`AccoStrategy(mode="dpu")`',
+             "acco": '`AccoStrategy(mode="acco")`',
              "local": f'`AccoStrategy(mode="local", sync_every={data["sync_every"]})`'}
-    rows = [[names[name], str(run["accumulate_grad_batches"]), str(run["steps"]), str(run["updates"]),
-             str(run["micro_batches_per_rank"]), f"{run['train_s']:.1f}", f"**{run['held_out_loss']:.3f}**"]
+    rows = [[names[name], str(run["steps"]), str(run["updates"]), str(run["micro_batches_per_rank"]),
+             f"{run['train_s']:.1f}", f"**{run['held_out_loss']:.3f}**"]
             for name, run in runs.items()]
-    return intro + common.md_table(["strategy", "accumulate_grad_batches", "Trainer steps", "committed updates",
-                                    "micro-batches per rank", "training s", "held-out loss"], rows)
+    return intro + common.md_table(["strategy", "Trainer steps", "committed updates", "micro-batches per rank",
+                                    "training s", "held-out loss"], rows)
 
 
 def blocks(results: dict[str, Any], figures: Path) -> dict[str, str]:

@@ -9,10 +9,11 @@ examples/train_gpt.py and the text of Python's standard library. Two processes o
     torchrun --standalone --nproc_per_node=2 examples/fabric_pretrain.py --devices 2
     python examples/fabric_pretrain.py --devices 2 --strategy ddp  # the same loop on DDP
 
-The three edits a LitGPT-style script needs (marked ``# acco:`` below): the strategy, the loss
-not divided by the accumulation steps (acco averages the micro-batches), and ``finish()`` at the
-end. In ``acco`` mode an optimizer step is a round, half an update: run half the micro-batches
-per step of a DDP run to keep its samples per update (``--micro-batches`` is per step).
+The three edits a LitGPT-style script needs (marked ``# acco:`` below): the strategy (told the
+micro-batches per step), the loss not divided by the accumulation steps (acco averages the
+micro-batches), and ``finish()`` at the end. An optimizer step is one committed update of
+``--micro-batches`` per rank in every mode, as on DDP (in ``acco`` mode an estimate round of
+half of them, then a commit round: ``--micro-batches`` must be even there).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--strategy", default="acco", choices=["acco", "dpu", "sync", "local", "ddp"])
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (acco: rounds)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (committed updates)")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step and rank")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -52,7 +53,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    strategy = "ddp" if args.strategy == "ddp" else AccoFabricStrategy(args.strategy, max_grad_norm=args.max_norm)  # acco: 1
+    strategy = "ddp" if args.strategy == "ddp" else AccoFabricStrategy(  # acco: 1
+        args.strategy, accumulate_grad_batches=args.micro_batches, max_grad_norm=args.max_norm)
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(1337)

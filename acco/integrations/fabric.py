@@ -1,20 +1,30 @@
 """Lightning Fabric with acco: :class:`AccoFabricStrategy`.
 
-Replace ``strategy="ddp"`` with ``strategy=AccoFabricStrategy(mode="acco", max_grad_norm=1.0)``
-and make the loop's three changes (docs/lightning.md, "Fabric")::
+Replace ``strategy="ddp"`` with ``strategy=AccoFabricStrategy(mode="acco", accumulate_grad_batches=K,
+max_grad_norm=1.0)`` and make the loop's three changes (docs/lightning.md, "Fabric")::
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=AccoFabricStrategy(mode="acco", max_grad_norm=1.0))
+    fabric = Fabric(accelerator="cpu", devices=2,
+                    strategy=AccoFabricStrategy(mode="acco", accumulate_grad_batches=K, max_grad_norm=1.0))
     fabric.launch()
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=6e-4))
-    for step, batch in enumerate(batches):
-        with fabric.no_backward_sync(model, enabled=not end_of_round):   # a no-op: nothing syncs in backward
-            fabric.backward(loss_fn(model, batch))      # 1. not divided by the micro-batches per round
-        if end_of_round:
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)   # 2. checked: acco clips on its lane
-            optimizer.step()                            # the round boundary; True when an update landed
-            optimizer.zero_grad()
+    for step in range(steps):
+        for micro in range(K):
+            with fabric.no_backward_sync(model, enabled=micro < K - 1):   # a no-op: nothing syncs in backward
+                fabric.backward(loss_fn(model, next(batches)))   # 1. not divided by K
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)   # 2. checked: acco clips on its lane
+        optimizer.step()                                # one committed update; True when an update landed
+        optimizer.zero_grad()
     optimizer.finish()                                  # 3. land the last update (collective)
+
+One ``optimizer.step()`` is one committed update of this rank's K micro-batches in every
+mode, as with DDP. In ``sync`` and ``dpu`` mode it is one round; in ``acco`` mode two
+(:class:`~acco.integrations.schedules.UpdateRounds`): the estimate round ends inside
+``fabric.backward`` after the first K/2 micro-batches, and the commit round at
+``optimizer.step()`` (an update with fewer micro-batches ends both there). So ``acco`` mode
+needs K (``accumulate_grad_batches``, even); a learning rate written into the param groups
+before an update's first micro-batch applies to both of its rounds. In ``local`` mode a step
+is one inner update of this replica.
 
 What the strategy does:
 
@@ -31,13 +41,15 @@ What the strategy does:
   that landed; value clipping is refused;
 - ``no_backward_sync`` is a no-op;
 - ``fabric.save`` / ``fabric.load`` hold the model's live parameters and acco's whole state,
-  consolidated on rank 0 (a round in flight and pending gradients included): a load into a fresh
-  setup resumes exactly. The committed parameters (for export) are what ``optimizer.eval()``
-  loads, or the model after ``optimizer.finish()``.
+  consolidated on rank 0 (a round in flight and pending gradients included): saved after an
+  ``optimizer.step()`` and loaded into a fresh setup, it resumes exactly. The committed
+  parameters (for export) are what ``optimizer.eval()`` loads, or the model after
+  ``optimizer.finish()``.
 
-Refused with a ``ValueError`` before any collective: ``precision="16-mixed"``'s GradScaler,
-precision plugins other than 32/64-bit, ``bf16-mixed`` and the ``-true`` half types, value
-clipping, a ``max_norm`` other than ``max_grad_norm``.
+Refused with a ``ValueError`` before any collective: ``mode="acco"`` without an even
+``accumulate_grad_batches``, ``precision="16-mixed"``'s GradScaler, precision plugins other than
+32/64-bit, ``bf16-mixed`` and the ``-true`` half types, value clipping, a ``max_norm`` other than
+``max_grad_norm``.
 """
 
 from __future__ import annotations
@@ -59,7 +71,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("acco.integrations.fabric needs lightning: pip install 'acco[lightning]'") from error
 
 from acco import AccoOptimizer, Mode, RoundKind
-from acco.integrations.schedules import acco_from_optimizer, check_acco_kwargs, check_precision
+from acco.integrations.schedules import (UpdateRounds, acco_from_optimizer, check_acco_kwargs, check_micro_batches,
+                                         check_precision, rounds_per_update)
 from acco.options import LOCKSTEP, parse_enum
 
 __all__ = ["AccoFabricStrategy"]
@@ -79,7 +92,10 @@ class AccoFabricStrategy(DDPStrategy):
 
     Args:
         mode: ``"acco"`` (default), ``"dpu"``, ``"sync"`` (ZeRO-1) or ``"local"``. One
-            ``optimizer.step()`` is one round; ``acco`` commits every second round.
+            ``optimizer.step()`` is one committed update in each (``local``: an inner update).
+        accumulate_grad_batches: K, the micro-batches (``fabric.backward`` calls) per rank of
+            one update; required in ``acco`` mode, where it must be even (the estimate round
+            ends after K/2 of them). Other modes: optional, one round per step whatever K.
         max_grad_norm: clip the averaged gradient to this global norm (None: no clipping);
             ``fabric.clip_gradients`` must name the same value.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
@@ -87,17 +103,20 @@ class AccoFabricStrategy(DDPStrategy):
         **acco_kwargs: further ``AccoOptimizer`` keywords, checked here.
 
     Raises:
-        ValueError: an invalid mode or acco keyword, or a precision acco cannot honour.
+        ValueError: an invalid mode or acco keyword, ``accumulate_grad_batches`` missing or odd
+            in ``acco`` mode, or a precision acco cannot honour.
 
     Example::
 
-        >>> fabric = Fabric(devices=2, strategy=AccoFabricStrategy(mode="acco", max_grad_norm=1.0))
+        >>> strategy = AccoFabricStrategy(mode="acco", accumulate_grad_batches=4, max_grad_norm=1.0)
+        >>> fabric = Fabric(devices=2, strategy=strategy)
     """
 
     def __init__(
         self,
         mode: Mode | str = Mode.ACCO,
         *,
+        accumulate_grad_batches: int | None = None,
         max_grad_norm: float | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -115,6 +134,16 @@ class AccoFabricStrategy(DDPStrategy):
                                           or not max_grad_norm >= 0):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (a number >= 0, or None)")
         self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None
+        self.rounds_per_update = rounds_per_update(self.mode)
+        if accumulate_grad_batches is None and self.rounds_per_update > 1:
+            raise ValueError(
+                f"AccoFabricStrategy(mode={self.mode.value!r}) needs accumulate_grad_batches=K, the micro-batches "
+                "(fabric.backward calls) per rank of one optimizer.step(): one step is one committed update, whose "
+                "estimate round ends after K/2 of them; pass an even K, or use mode='dpu'"
+            )
+        if accumulate_grad_batches is not None:
+            check_micro_batches(self.mode, accumulate_grad_batches, "accumulate_grad_batches", "or mode='dpu'")
+        self.accumulate_grad_batches = 1 if accumulate_grad_batches is None else accumulate_grad_batches
         if self.mode is Mode.LOCAL:
             self.acco_kwargs.setdefault("pacing", LOCKSTEP)
         super().__init__(
@@ -125,6 +154,7 @@ class AccoFabricStrategy(DDPStrategy):
         self._backward_sync_control = _NothingToBlock()
         self._module: nn.Module | None = None
         self._acco: AccoOptimizer | None = None
+        self._update_rounds: UpdateRounds | None = None
 
     @property
     def precision(self) -> Precision:
@@ -156,6 +186,7 @@ class AccoFabricStrategy(DDPStrategy):
             raise ValueError("AccoFabricStrategy trains one optimizer; setup_optimizers was called before")
         self._acco = acco_from_optimizer(optimizer, module=self._module, mode=self.mode,
                                          max_grad_norm=self.max_grad_norm, **self.acco_kwargs)
+        self._update_rounds = UpdateRounds(self._acco.step, self.rounds_per_update, self.accumulate_grad_batches)
         return self._acco
 
     def setup_module_and_optimizers(
@@ -165,9 +196,23 @@ class AccoFabricStrategy(DDPStrategy):
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """One micro-batch: its backward, folded into acco's accumulator as it runs."""
+        """One micro-batch: its backward, folded into acco's accumulator as it runs; in
+        ``acco`` mode the estimate round ends after the first K/2 micro-batches of an update
+        (collective)."""
         with self._require_acco().micro_batch():
             super().backward(tensor, module, *args, **kwargs)
+        self._require_update_rounds().micro_batch_ended()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> bool:
+        """One committed update: the rounds of the update not ended yet, then its last
+        (``AccoOptimizer.step()``, collective). True when an update landed meanwhile.
+
+        Raises:
+            TypeError: arguments for ``step()`` (a closure): acco's takes none.
+        """
+        if kwargs:
+            raise TypeError(f"AccoOptimizer.step() takes no arguments (no closure); got {sorted(kwargs)}")
+        return self._require_update_rounds().end_update()
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Any, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
@@ -199,4 +244,9 @@ class AccoFabricStrategy(DDPStrategy):
         if self._acco is None:
             raise RuntimeError("AccoFabricStrategy: set the optimizer up first (fabric.setup_optimizers)")
         return self._acco
+
+    def _require_update_rounds(self) -> UpdateRounds:
+        if self._update_rounds is None:
+            raise RuntimeError("AccoFabricStrategy: set the optimizer up first (fabric.setup_optimizers)")
+        return self._update_rounds
 

@@ -84,7 +84,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import checkpoint
 from acco import AccoOptimizer, Mode, RoundKind, RoundStats
-from acco.integrations.schedules import CommitScheduler, require_lockstep
+from acco.integrations.schedules import (CommitScheduler, check_micro_batches, require_lockstep, round_ends,
+                                         rounds_per_update)
 from acco.options import Options, parse_enum
 
 __all__ = ["ACCO_CHECKPOINT_DIR", "AccoTrainer", "CommitScheduler"]
@@ -386,9 +387,9 @@ class AccoTrainer(Trainer):
                 break
         weights = self._micro_batch_weights(batches)
         total = math.fsum(weights)
-        split = (len(batches) + 1) // 2 if self.acco_mode is Mode.ACCO else 0
+        ends = round_ends(rounds_per_update(self.acco_mode), len(batches))  # acco: the estimate round's end
         self._queued = deque(
-            _MicroBatch(weight=w, update_weight=total, ends_round=i + 1 == split, ends_update=i + 1 == len(batches))
+            _MicroBatch(weight=w, update_weight=total, ends_round=i + 1 in ends, ends_update=i + 1 == len(batches))
             for i, w in enumerate(weights)
         )
         return batches, None
@@ -692,13 +693,8 @@ def _check_training_args(args: TrainingArguments, mode: Mode) -> None:
             f"Invalid TrainingArguments lr_scheduler_type={scheduler!r} for AccoTrainer: it steps on evaluation "
             "metrics, not once per committed update"
         )
-    steps = args.gradient_accumulation_steps
-    if mode is Mode.ACCO and (steps < 2 or steps % 2):
-        raise ValueError(
-            f"Invalid TrainingArguments gradient_accumulation_steps={steps} for acco_mode='acco': an update is two "
-            "rounds of half the micro-batches each, so it must be even (halve per_device_train_batch_size and "
-            "double it, or use acco_mode='dpu')"
-        )
+    check_micro_batches(mode, args.gradient_accumulation_steps, "TrainingArguments gradient_accumulation_steps",
+                        "halving per_device_train_batch_size, or acco_mode='dpu'")
 
 
 def _loss_shifts_labels(model: nn.Module) -> bool:

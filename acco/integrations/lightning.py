@@ -8,14 +8,16 @@ LightningModule as it is::
 
 How Lightning's words map onto acco's (docs/lightning.md has the whole story):
 
-- one Trainer optimizer step (``trainer.global_step``) is one acco **round**: the
-  ``accumulate_grad_batches`` (K) micro-batches of this rank, then ``AccoOptimizer.step()``.
-  In ``sync`` and ``dpu`` mode every round commits an update, so a step is an update of K
-  micro-batches per rank, as with DDP. In ``acco`` mode a round is half an update: an
-  estimate round, then a commit round whose update uses both rounds' gradients, so an update
-  covers 2K micro-batches per rank and takes two Trainer steps (halve
-  ``accumulate_grad_batches`` to keep DDP's samples per update). In ``local`` mode a step is
-  one inner update of this replica; an outer round runs every ``sync_every`` steps.
+- one Trainer optimizer step (``trainer.global_step``) is one committed update of the
+  ``accumulate_grad_batches`` (K) micro-batches of this rank, in every mode, as with DDP and
+  as in :class:`~acco.integrations.hf.AccoTrainer`. In ``sync`` and ``dpu`` mode it is one
+  round (``AccoOptimizer.step()`` at the step). In ``acco`` mode it is two rounds
+  (:class:`~acco.integrations.schedules.UpdateRounds`): the estimate round ends after the
+  first K/2 micro-batches, inside the step, and the commit round, whose update applies both
+  rounds' gradients, at the step; K must be even. In ``local`` mode a step is one inner
+  update of this replica; an outer round runs every ``sync_every`` steps. Under manual
+  optimization each ``optimizer.step()`` the module calls is one round
+  (``AccoOptimizer.step()``).
 - every ``backward()`` ends a micro-batch (acco's ``micro_batch()``: the gradients are
   folded into acco's accumulator as backward produces them, and ``p.grad`` stays None).
   Lightning divides the loss by K; the strategy multiplies it back, since acco averages
@@ -24,8 +26,9 @@ How Lightning's words map onto acco's (docs/lightning.md has the whole story):
 - the optimizer ``configure_optimizers`` returns (a plain torch optimizer, param groups
   included) becomes an :class:`~acco.AccoOptimizer` over the same groups and
   hyper-parameters; its ``param_groups`` become acco's, so the LR schedulers built on it
-  drive acco's learning rate. Step-interval schedulers step once per committed update
-  (:class:`~acco.integrations.schedules.CommitScheduler`).
+  drive acco's learning rate. Lightning steps them as with DDP, step-interval ones once per
+  Trainer step (:class:`~acco.integrations.schedules.HandOverScheduler`): each update is
+  handed to the comm lane with the learning rate a DDP run uses for it.
 - ``gradient_clip_val`` (norm) becomes ``max_grad_norm``: acco clips the averaged gradient on
   its comm lane; Lightning's own clipping finds no ``p.grad`` and does nothing.
 - validation, and the model saved in checkpoints, see the committed parameters
@@ -41,14 +44,16 @@ How Lightning's words map onto acco's (docs/lightning.md has the whole story):
 Refused, with a ``ValueError`` before any collective: ``precision="16-mixed"`` (its
 GradScaler unscales ``p.grad`` to clip; acco unscales on its comm lane: train in
 ``bf16-mixed``), ``gradient_clip_algorithm="value"`` (the per-element clip of a rank's own
-gradient has no sharded equivalent), other precision plugins than 32/64-bit, ``bf16-mixed``
-and the ``-true`` half types, more than one optimizer, and an optimizer that is not a plain
-torch one.
+gradient has no sharded equivalent), an odd ``accumulate_grad_batches`` in ``acco`` mode (also
+in a ``GradientAccumulationScheduler``'s schedule), other precision plugins than 32/64-bit,
+``bf16-mixed`` and the ``-true`` half types, more than one optimizer, and an optimizer that is
+not a plain torch one.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -60,7 +65,7 @@ from torch import Tensor
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
@@ -69,8 +74,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from acco import AccoOptimizer, Mode
 from acco import checkpoint as checkpoint_module
-from acco.integrations.schedules import (CommitScheduler, acco_from_optimizer, check_acco_kwargs, check_precision,
-                                         require_lockstep)
+from acco.integrations.schedules import (HandOverScheduler, UpdateRounds, acco_from_optimizer, check_acco_kwargs,
+                                         check_micro_batches, check_precision, require_lockstep, rounds_per_update)
 from acco.options import parse_enum
 
 __all__ = ["AccoStrategy", "LightningAccoOptimizer"]
@@ -93,19 +98,30 @@ _FINAL_DIR = ".acco-final"
 class LightningAccoOptimizer(AccoOptimizer):
     """An :class:`~acco.AccoOptimizer` whose ``step(closure)`` runs the closure first, as
     torch optimizers do and Lightning's precision plugins expect: the closure is the last
-    micro-batch's forward and backward, then ``step()`` ends the round.
+    micro-batch's forward and backward. Then it ends the update: under automatic
+    optimization the rounds of :attr:`update_rounds` (``acco`` mode: the commit round, and
+    the estimate round first if the update was too short to end it), otherwise one round.
 
-    Returns ``step()``'s bool (True when a committed update landed), not the closure's loss.
+    Returns True when a committed update landed during the update's rounds, not the
+    closure's loss.
     """
 
     # No GradScaler under the strategy (16-mixed is refused): with the flag set, Lightning's
     # bf16-mixed plugin would refuse gradient_clip_val, taking acco for a fused optimizer.
     _step_supports_amp_scaling = False
+    # Set by AccoStrategy under automatic optimization: one step() is one committed update.
+    update_rounds: UpdateRounds | None = None
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if self.update_rounds is None:
+            return self.end_round()
+        return self.update_rounds.end_update()
+
+    def end_round(self) -> bool:
+        """One round boundary: ``AccoOptimizer.step()`` (collective)."""
         return super().step()
 
 
@@ -113,8 +129,9 @@ class AccoStrategy(DDPStrategy):
     """A Lightning Trainer strategy that trains with :class:`~acco.AccoOptimizer`, without DDP.
 
     Args:
-        mode: ``"acco"`` (default), ``"dpu"``, ``"sync"`` (ZeRO-1) or ``"local"``; see the
-            module docstring for what a Trainer step is in each.
+        mode: ``"acco"`` (default), ``"dpu"``, ``"sync"`` (ZeRO-1) or ``"local"``. A Trainer
+            step is one committed update of ``accumulate_grad_batches`` micro-batches per rank
+            in each (``local``: an inner update); see the module docstring.
         mesh: ``(replicas, shard)``: FSDP2 inside each replica group of ``shard`` ranks, acco
             across the ``replicas`` groups. The strategy builds a ``("replicate", "shard")``
             device mesh and hands it to the LightningModule (``self.device_mesh``), whose
@@ -132,9 +149,10 @@ class AccoStrategy(DDPStrategy):
 
     Raises:
         ValueError: an invalid ``mode``, ``mesh``, ``checkpoint`` or acco keyword (here); a
-            precision acco cannot honour (when the Trainer is built); value clipping (when
-            ``fit`` starts, before the process group); more than one optimizer, or one that is
-            not a plain torch optimizer (before acco's first collective).
+            precision acco cannot honour (when the Trainer is built); value clipping, or an
+            odd ``accumulate_grad_batches`` in ``acco`` mode (when ``fit`` starts, before the
+            process group); more than one optimizer, or one that is not a plain torch
+            optimizer (before acco's first collective).
 
     Example::
 
@@ -217,7 +235,7 @@ class AccoStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Check the Trainer's settings, then set up the process group (and the mesh)."""
         trainer = self.lightning_module.trainer
-        check_trainer(trainer)
+        check_trainer(trainer, self.mode)
         if self._lifecycle not in trainer.callbacks:  # first, so finish() precedes ModelCheckpoint's last save
             trainer.callbacks.insert(0, self._lifecycle)
         super().setup_environment()
@@ -239,8 +257,8 @@ class AccoStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The user's optimizer and schedulers (``configure_optimizers``), then the
-        AccoOptimizer over that optimizer's groups; step-interval schedulers step once per
-        committed update.
+        AccoOptimizer over that optimizer's groups, whose ``step()`` ends an update's rounds
+        (:class:`~acco.integrations.schedules.UpdateRounds`, under automatic optimization).
 
         .. warning:: Collective (acco's construction): every rank runs it.
         """
@@ -257,18 +275,23 @@ class AccoStrategy(DDPStrategy):
             self.optimizers[0], module=self.lightning_module, acco_class=LightningAccoOptimizer, mode=self.mode,
             max_grad_norm=float(clip) if clip else None, process_group=group, **self.acco_kwargs,
         )  # fmt: skip
+        if self.lightning_module.automatic_optimization:
+            self._acco.update_rounds = UpdateRounds(self._acco.end_round, rounds_per_update(self.mode),
+                                                    trainer.accumulate_grad_batches)
         self._acco_finished = False
         self._final_state = None
         self._final_dir = None
         for config in self.lr_scheduler_configs:
-            if config.interval == "step" and not config.reduce_on_plateau:
-                config.scheduler = CommitScheduler(config.scheduler, self._acco)
+            if not config.reduce_on_plateau:  # built on the optimizer acco replaced, which is never stepped
+                config.scheduler = HandOverScheduler(config.scheduler)
         self.optimizers = [self._acco]
 
     # ------------------------------------------------------------------------ training
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """One micro-batch: its backward, folded into acco's accumulator as it runs.
+        """One micro-batch: its backward, folded into acco's accumulator as it runs; in
+        ``acco`` mode the estimate round ends after the first half of an update's
+        micro-batches (collective).
 
         Lightning divided the loss by ``accumulate_grad_batches`` (automatic optimization);
         acco averages over micro-batches itself, so the loss is multiplied back first.
@@ -278,11 +301,22 @@ class AccoStrategy(DDPStrategy):
         if module.automatic_optimization:
             closure_loss = closure_loss * module.trainer.accumulate_grad_batches
         with acco.micro_batch():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if acco.update_rounds is not None:
+            acco.update_rounds.micro_batch_ended()
+        return loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._live():
-            self._require_acco().train()  # the live parameters, if a save or a validation loaded others
+        if not self._live():
+            return
+        acco = self._require_acco()
+        acco.train()  # the live parameters, if a save or a validation loaded others
+        # Lightning's updates start every K batches of an epoch; its last may be shorter.
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if acco.update_rounds is not None and batch_idx % accumulate == 0:
+            left = trainer.num_training_batches - batch_idx  # inf for a loader of unknown length
+            acco.update_rounds.expect(accumulate if math.isinf(left) else int(min(accumulate, left)))
 
     def on_validation_start(self) -> None:
         if self._live():
@@ -302,8 +336,8 @@ class AccoStrategy(DDPStrategy):
         ``default_root_dir``, in ``.acco-final/``): a checkpoint saved after this
         (``ModelCheckpoint(save_last=True)`` at the end of training) holds the final model and
         the state training ended with, so it resumes exactly as if training had not stopped.
-        For the same reason the LR schedules are not stepped for an update that ``finish()``
-        lands."""
+        The LR schedules are Lightning's, stepped once per Trainer step: ``finish()`` steps
+        none."""
         acco = self._acco
         if acco is None or self._acco_finished:
             return
@@ -475,8 +509,10 @@ class _AccoLifecycle(Callback):
 # ------------------------------------------------------------------------------ checks
 
 
-def check_trainer(trainer: pl.Trainer) -> None:
-    """``ValueError`` for a Trainer setting acco cannot honour (before the process group)."""
+def check_trainer(trainer: pl.Trainer, mode: Mode) -> None:
+    """``ValueError`` for a Trainer setting acco cannot honour in ``mode`` (before the process
+    group): value clipping, a precision plugin, an ``accumulate_grad_batches`` (or one a
+    ``GradientAccumulationScheduler`` will set) that one update's rounds cannot split."""
     algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm))
     if trainer.gradient_clip_val and algorithm == "value":
         raise ValueError(
@@ -486,6 +522,15 @@ def check_trainer(trainer: pl.Trainer) -> None:
             "applies to the global averaged gradient"
         )
     check_precision(trainer.precision_plugin, _ACCEPTED_PRECISION)
+    if not trainer.lightning_module.automatic_optimization:
+        return  # the module calls step(): each call is a round
+    fix = "or AccoStrategy(mode='dpu') (one round per update, one round stale)"
+    schedules = [c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)]
+    if not schedules:
+        check_micro_batches(mode, trainer.accumulate_grad_batches, "accumulate_grad_batches", fix)
+    for schedule in schedules:  # it sets accumulate_grad_batches (left at 1) at each epoch's start
+        for epoch, accumulate in sorted(schedule.scheduling.items()):
+            check_micro_batches(mode, accumulate, f"GradientAccumulationScheduler scheduling[{epoch}]", fix)
 
 
 def _copy_parameters(module: torch.nn.Module, values: Mapping[str, Tensor]) -> None:

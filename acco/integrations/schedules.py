@@ -1,31 +1,38 @@
 """LR schedules that follow committed updates, and a torch optimizer turned into an
 :class:`~acco.AccoOptimizer` (shared by the framework integrations; no framework import).
 
-- :class:`CommitScheduler`: steps a schedule once per committed update, however often the
-  framework calls ``step()`` (once per round in Lightning, once per update in the Hugging
-  Face Trainer).
+- :class:`CommitScheduler`: steps a schedule once per committed update that lands, however
+  often the framework calls ``step()`` (the Hugging Face Trainer's).
+- :class:`HandOverScheduler`: steps a schedule at each call, as the framework makes it once
+  per step, which is one update handed to acco (Lightning's Trainer).
+- :func:`rounds_per_update`, :func:`round_ends`, :class:`UpdateRounds`: a framework step is
+  one committed update of K micro-batches per rank in every mode (the Hugging Face Trainer,
+  Lightning's Trainer, Fabric); in ``acco`` mode that update is two rounds, the estimate
+  round ending after the first K/2 micro-batches and the commit round at the step.
 - :func:`acco_from_optimizer`: the ``AccoOptimizer`` over the param groups and
   hyper-parameters of a plain torch optimizer a user built (Lightning's
   ``configure_optimizers``, a Fabric script), sharing those groups so that schedules built on
   the user's optimizer drive acco's.
-- :func:`check_acco_kwargs`, :func:`check_precision`, :func:`require_lockstep`: the checks a
-  strategy or trainer runs before any collective.
+- :func:`check_acco_kwargs`, :func:`check_micro_batches`, :func:`check_precision`,
+  :func:`require_lockstep`: the checks a strategy or trainer runs before any collective.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from acco import AccoOptimizer, Mode
+from acco.optim import LOOPS
 from acco.options import LOCKSTEP, Options
 
-__all__ = ["CommitScheduler", "acco_from_optimizer", "check_acco_kwargs", "check_precision", "require_lockstep"]
+__all__ = ["CommitScheduler", "HandOverScheduler", "UpdateRounds", "acco_from_optimizer", "check_acco_kwargs", "check_micro_batches",
+           "check_precision", "require_lockstep", "round_ends", "rounds_per_update"]
 
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
 # AccoOptimizer keywords the strategy sets itself: the mode, the clip (gradient_clip_val), the
@@ -69,9 +76,7 @@ class CommitScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         while self.updates < self.optimizer.num_updates:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NEVER_STEPPED, category=UserWarning)
-                self.scheduler.step(*args, **kwargs)
+            _step_quietly(self.scheduler, *args, **kwargs)
             self.updates += 1
 
     def get_last_lr(self) -> list[float]:
@@ -88,6 +93,142 @@ class CommitScheduler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict["scheduler"])
         self.updates = int(state_dict["updates"])
+
+
+class HandOverScheduler:
+    """An LR schedule built on an optimizer that acco replaced, stepped at each call: the
+    framework steps it once per step, and each step hands one update to acco with the
+    learning rate a synchronous run uses for it (in ``acco`` and ``dpu`` mode the update then
+    lands during the next step). Its state is the schedule's own, so a checkpoint holds what
+    it would without acco.
+
+    Only silences the warning torch gives at a schedule's first step when the optimizer it
+    was built on was never stepped (:func:`acco_from_optimizer`: acco steps in its place);
+    every other attribute is the schedule's.
+
+    Args:
+        scheduler: the schedule (``torch.optim.lr_scheduler``), built on the user's optimizer.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        _step_quietly(self.scheduler, *args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+def _step_quietly(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NEVER_STEPPED, category=UserWarning)
+        scheduler.step(*args, **kwargs)
+
+
+def rounds_per_update(mode: Mode) -> int:
+    """The rounds (``step()`` calls) one committed update spans when a framework step is one
+    update: 2 in ``acco`` mode (the estimate round, then the commit round, which applies both
+    rounds' gradients), 1 in the others (``local``: one inner update). Read from the mode's
+    loop (``Loop.rounds_per_update``), before any optimizer exists."""
+    return LOOPS[mode].rounds_per_update
+
+
+def round_ends(rounds: int, micro_batches: int) -> tuple[int, ...]:
+    """After which of an update's micro-batches (counted from 1) the rounds before its last
+    end; the last ends at the framework's step.
+
+    The micro-batches are split as evenly as they go, an earlier round taking the larger
+    share: ``acco`` mode's estimate round ends after ``ceil(n/2)`` of ``n`` (K/2 of an even
+    K; 1 of 1, the commit round then computing none). One round: ``()``.
+    """
+    return tuple(-(-micro_batches * i // rounds) for i in range(1, rounds))
+
+
+class UpdateRounds:
+    """Ends the rounds of each committed update for a framework whose step is one update of
+    K micro-batches per rank (Lightning's Trainer and Fabric; the Hugging Face Trainer applies
+    :func:`round_ends` to the micro-batches it has fetched).
+
+    The rounds before an update's last end inside it, each after its share of the update's
+    micro-batches (:func:`round_ends`: ``acco`` mode's estimate round after the first K/2);
+    the last ends at the framework's step. An update shorter than announced (a window cut
+    short) ends the rounds it has not reached at the step, one after the other. The state
+    lives between two steps only: checkpoints taken at a step boundary need none of it.
+
+    Args:
+        end_round: the round boundary (``AccoOptimizer.step``, collective).
+        rounds: the rounds one update spans (:func:`rounds_per_update`).
+        micro_batches: K, this rank's micro-batches per update (:meth:`expect` announces a
+            shorter update).
+
+    Example::
+
+        >>> rounds = UpdateRounds(opt.step, rounds_per_update(opt.mode), micro_batches=4)
+        >>> for micro in range(4):
+        ...     with opt.micro_batch():
+        ...         loss_fn(model, next(batches)).backward()
+        ...     rounds.micro_batch_ended()    # acco: the estimate round ends after the 2nd
+        >>> rounds.end_update()               # the commit round; True if an update landed
+    """
+
+    def __init__(self, end_round: Callable[[], bool], rounds: int, micro_batches: int) -> None:
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"Invalid micro_batches: {micro_batches!r} (a positive int)")
+        self._end_round = end_round
+        self.rounds = rounds
+        self.micro_batches = micro_batches
+        self._ends = round_ends(rounds, micro_batches)  # of the update under way
+        self._seen = 0  # micro-batches of the update under way
+        self._ended = 0  # its rounds ended so far (the last excepted)
+        self._committed = False  # one of them landed a committed update
+
+    def expect(self, micro_batches: int) -> None:
+        """The update starting now has ``micro_batches`` instead of K (an epoch's last window,
+        cut short; a K that Lightning's ``GradientAccumulationScheduler`` changed); call
+        before its first micro-batch."""
+        self._ends = round_ends(self.rounds, micro_batches)
+
+    def micro_batch_ended(self) -> None:
+        """After each micro-batch (its gradients accumulated): ends the round whose share of
+        the update it completes.
+
+        .. warning:: Collective where it ends a round: every rank calls it at the same
+            micro-batches of an update.
+        """
+        self._seen += 1
+        self._end_rounds(through=self._seen)
+
+    def end_update(self) -> bool:
+        """The framework's step: the rounds of the update not ended yet, then its last.
+
+        Returns:
+            True when one of them landed a committed update (in ``acco`` and ``dpu`` mode
+            the previous update, which the comm lane applied meanwhile).
+
+        .. warning:: Collective: every rank calls it once per update.
+        """
+        self._end_rounds(through=None)
+        committed = self._end_round()
+        committed = committed or self._committed
+        self._ends = round_ends(self.rounds, self.micro_batches)
+        self._seen, self._ended, self._committed = 0, 0, False
+        return committed
+
+    def _end_rounds(self, through: int | None) -> None:
+        """End the rounds due after ``through`` micro-batches (None: all but the last)."""
+        while self._ended < len(self._ends) and (through is None or self._ends[self._ended] <= through):
+            self._ended += 1
+            if self._end_round():
+                self._committed = True
 
 
 def acco_from_optimizer(
@@ -153,6 +294,27 @@ def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, A
     given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
     Options.check(**{name: v for name, v in {**given, **kwargs, "mode": mode}.items() if name in checked})
     return kwargs
+
+
+def check_micro_batches(mode: Mode, micro_batches: int, setting: str, fix: str) -> None:
+    """``ValueError`` unless ``micro_batches`` (K, per rank per committed update) splits into
+    the rounds of one update in ``mode``: an even K in ``acco`` mode (its estimate round and
+    its commit round take K/2 each), any positive K otherwise.
+
+    Args:
+        setting: the framework's name for K (``accumulate_grad_batches``, ...), in the message.
+        fix: what else to change (ends the message, after the even K).
+    """
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"Invalid {setting}={micro_batches!r}: a positive int")
+    rounds = rounds_per_update(mode)
+    if micro_batches % rounds:
+        raise ValueError(
+            f"Invalid {setting}={micro_batches} for mode={mode.value!r}: one step is one committed update of "
+            f"K={micro_batches} micro-batches per rank, in {mode.value} mode an estimate round and then a commit round "
+            f"of K/{rounds} each, so K must be even: use {setting}={micro_batches + rounds - micro_batches % rounds}, "
+            f"{fix}"
+        )
 
 
 def check_precision(plugin: Any, accepted: tuple[type, ...]) -> None:
