@@ -12,7 +12,7 @@ implementation, a class per namespace::
     from pytorch_lightning import Trainer
     from acco.integrations.pytorch_lightning import AccoStrategy
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=AccoStrategy(mode="acco"))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=AccoStrategy(mode="acco"), accumulate_grad_batches=2)
 """
 
 from __future__ import annotations
