@@ -67,7 +67,7 @@ def table(names: list[str]) -> str:
     for name in names:
         run = result(name)
         if run is None or "final_loss" not in run:
-            rows.append([name, "no", "-", "-", "-", "-"])
+            rows.append([name, "no", "-", "-", "-", "-", "-"])
             continue
         plans = []
         for plan in run["plans"]:
