@@ -14,7 +14,8 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
   (``"lockstep"``), a fixed list, or in proportion to its measured speed (``"speed"``),
   the fastest ``sync_every``, from the speeds every replica reported in the last round, once
   a replica is slower than the fastest by more than :data:`SPEED_BAND` in
-  :data:`APART_REPORTS` successive rounds; when plans first differ rank 0 says so once. While
+  :data:`APART_REPORTS` successive rounds (or by more than twice that in one); when plans first
+  differ rank 0 says so once. While
   plans differ a replica does not wait long for the others' hand-overs (:meth:`Pacing.patience`):
   it goes on taking inner steps, and the round lands when it completes, so a loop's own
   collective at every step never waits in a circle; a round the others never hand over to raises
@@ -58,8 +59,9 @@ _log = logging.getLogger("acco")
 # a median of single steps differed by up to 14% between equal replicas on loaded cores, where the
 # median of blocks stays within 4%; one long step (an evaluation, a checkpoint) moves one block.
 # A replica takes fewer than sync_every steps only when it is slower than the fastest by more
-# than SPEED_BAND in APART_REPORTS successive reports: one noisy round does not pace equal
-# replicas apart.
+# than SPEED_BAND in APART_REPORTS successive reports (one noisy round does not pace equal
+# replicas apart), or by more than twice SPEED_BAND in one (no noise measured comes near: a
+# replica 1.5x or 3x slower is paced from the second round on).
 SPEED_BAND = 0.2
 PACE_BLOCK = 4
 APART_REPORTS = 2
@@ -184,7 +186,7 @@ class Pacing:
     round's report's. ``"speed"`` starts in lockstep (``sync_every`` each) and stays there
     while every replica's speed is within :data:`SPEED_BAND` of the fastest's (replicas of
     equal speed: the lockstep run, bit for bit); once a replica is slower than that in
-    :data:`APART_REPORTS` successive reports it takes ``clamp(floor(H t_min / t_r + 1/2),
+    :data:`APART_REPORTS` successive reports (twice that gap: in one) it takes ``clamp(floor(H t_min / t_r + 1/2),
     max(1, D), H)`` steps, so a round takes about the same time on each. ``t_r`` is replica r's
     pace (:meth:`pace`).
 
@@ -393,9 +395,11 @@ class Pacing:
         if self.options.pacing == SPEED:
             plan = self.speed_plan(report)
             self.gap_reports = self.gap_reports + 1 if len(set(plan)) > 1 else 0
-            # From equal plans a gap must hold over APART_REPORTS successive reports; once apart,
-            # every report's plan.
-            if len(set(self.plan)) == 1 and self.gap_reports < APART_REPORTS:
+            # From equal plans a gap must hold over APART_REPORTS successive reports, unless it is
+            # past twice the band; once apart, every report's plan.
+            seconds = report.step_seconds
+            wide = all(s > 0 for s in seconds) and min(seconds) / max(seconds) < 1.0 - 2 * SPEED_BAND
+            if len(set(self.plan)) == 1 and self.gap_reports < APART_REPORTS and not wide:
                 plan = [self.options.sync_every] * len(plan)
             self.plan = plan
         if len(set(self.plan)) > 1 and not self.paced_apart:
