@@ -320,14 +320,18 @@ def check_run(directory: Path, uninterrupted: float) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_ten_runs_a_killed_replica_group_rejoins_while_the_other_trains(tmp_path) -> None:
-    """10 runs (:func:`killed_run`, three at a time; the uninterrupted run beside the last one),
-    each checked by :func:`check_run` against the uninterrupted run's held-out loss: 10 of 10 pass.
-    (Groups of 2 ranks: tests/test_elastic_mesh.py has one such run, benchmarks/elastic_stress.py
-    ``rank-kill`` ten: they take 5.7 minutes here, more than the suite can hold.)"""
+@pytest.mark.parametrize("batches", [
+    pytest.param([[0, 1]], id="two"),
+    pytest.param([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]], id="ten", marks=pytest.mark.stress),
+])  # fmt: skip
+def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, batches) -> None:
+    """Runs of :func:`killed_run` (three at a time; the uninterrupted run beside the last ones),
+    each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
+    passing: two in the fast tier (a rank killed from outside, a replica dying inside a round),
+    ten in the stress tier. (Groups of 2 ranks: tests/test_elastic_mesh.py has one such run,
+    benchmarks/elastic_stress.py ``rank-kill`` ten.)"""
     group: list[str] = []
     reference = tmp_path / "uninterrupted"
-    batches = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     outcomes: dict[int, Path] = {}
     failed = []
     for number, batch in enumerate(batches):
@@ -366,11 +370,13 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
 
 
 @pytest.mark.timeout(240)
-def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path) -> None:
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
+def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
     """Two groups with the default pacing ("speed"), equal speeds and group 1 three times slower
-    (both runs at once): at equal speeds every plan is [10, 10]; beside the slow group, group 0
-    keeps at least 0.9 of its rate at equal speeds, group 1 takes a third of the steps a round
-    (2 to 5 of 10), no round goes without it, and both end identical with exit 0."""
+    (both runs at once): at equal speeds every plan is [10, 10]; beside the slow group, group 1
+    takes a third of the steps a round (2 to 5 of 10), no round goes without it, and both end
+    identical with exit 0; in the stress tier (a rate on a loaded machine is a measurement), group
+    0 keeps at least 0.9 of its rate at equal speeds."""
     equal, slow = tmp_path / "equal", tmp_path / "slow"
     processes = [launch(equal, *PACED), launch(slow, *PACED, "--slow", "1:3")]
     for process, directory in zip(processes, (equal, slow)):
@@ -380,7 +386,8 @@ def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_
     assert all(plan == [10, 10] for plan in plans), plans
     paced = [r for r in records(slow, 0)[3:] if not r.get("final") and r["inner_step"] < 120]
     assert all(r["steps"][0] == 10 and 2 <= r["steps"][1] <= 5 and r["participants"] == 2 for r in paced), paced
-    assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
+    if rate_checked:
+        assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
 
 
 # ------------------------------------------- rounds that no group holds (grace window, late groups)
@@ -389,15 +396,17 @@ LATE = ["--replicas", "3", "--steps", "240", "--step-seconds", "0.05", "--micro-
         "--timeout", "10", "--quorum-timeout", "60", "--pacing", "lockstep"]  # after RUN: later options win  # fmt: skip
 
 
-def check_late_group(directory: Path, baseline: Path) -> None:
-    """Group 2 was late (stalled or paused): groups 0 and 1 kept at least 0.9 of their rate in the
-    run without it, and landed rounds without it meanwhile; group 2's inner steps all counted
-    (``counted`` sums to them: none replaced by a heal); every group ends identical."""
+def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> None:
+    """Group 2 was late (stalled or paused): groups 0 and 1 landed rounds without it meanwhile
+    (and, ``rate_checked``, kept at least 0.9 of their rate in the run without it); group 2's
+    inner steps all counted (``counted`` sums to them: none replaced by a heal); every group ends
+    identical."""
     finals = {(directory / f"replica-{i}.final").read_text() for i in range(3)}
     assert len(finals) == 1, finals
     for index in (0, 1):
-        assert rate(directory, index, 240) >= 0.9 * rate(baseline, index, 240), (rate(directory, index, 240),
-                                                                                   rate(baseline, index, 240))
+        if rate_checked:
+            assert rate(directory, index, 240) >= 0.9 * rate(baseline, index, 240), (rate(directory, index, 240),
+                                                                                       rate(baseline, index, 240))
         assert sum(1 for r in records(directory, index) if r.get("participants") == 2 and not r["dropped"]) >= 5
     late = records(directory, 2)
     assert sum(r["counted"] or 0 for r in late if not r.get("final")) == late[-1]["inner_step"], late
@@ -405,12 +414,13 @@ def check_late_group(directory: Path, baseline: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path) -> None:
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
+def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_checked) -> None:
     """Three runs of 3 groups at once: without stalls; group 2 stalled (``--stall``: asleep in its
     training loop, heartbeating) for 8 s at inner step 40; group 2 paused (SIGSTOP, its heartbeats
     stopped too) for 6 s after its third round. In both late runs the others keep their rate
     (rounds land without group 2 once the grace window has passed) and group 2's inner steps all
-    count in its next round (:func:`check_late_group`)."""
+    count in its next round (:func:`check_late_group`; their rates in the stress tier)."""
     baseline, stalled, paused = tmp_path / "baseline", tmp_path / "stalled", tmp_path / "paused"
     processes = [launch(baseline, *LATE), launch(stalled, *LATE, "--stall", "2:40:8"), launch(paused, *LATE)]
 
@@ -433,5 +443,5 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path) -> None
     assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
     for i in range(3):  # without a stall every step counts too
         assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
-    check_late_group(stalled, baseline)
-    check_late_group(paused, baseline)
+    check_late_group(stalled, baseline, rate_checked)
+    check_late_group(paused, baseline, rate_checked)

@@ -36,11 +36,13 @@ def assert_clean_exit(results: list[subprocess.CompletedProcess], expected: int)
 
 CASES = [(mode, end, destroy) for mode in ("acco", "dpu", "sync") for end in ("finish", "forget")
          for destroy in (True, False)]
-def test_every_job_exits_cleanly() -> None:
-    """Every mode, ended by finish() or not, with and without destroy_process_group(): exit 0 and
-    no abort on every rank. Three jobs at a time (their ranks load both cores, as a busy machine
-    would: an abort is likelier, not less likely). Many runs of one case beside CPU hogs:
-    benchmarks/exit_stress.py."""
+# The fast tier: each mode once, each way to end and each destroy_process_group() choice at least once.
+FAST_CASES = [("acco", "forget", False), ("dpu", "finish", True), ("sync", "forget", True)]
+
+
+def assert_every_case_exits_cleanly(cases: list[tuple[str, str, bool]]) -> None:
+    """Three jobs at a time (their ranks load both cores, as a busy machine would: an abort is
+    likelier, not less likely)."""
     def one(case: tuple[str, str, bool]) -> str | None:
         try:
             assert_clean_exit(run_job(*case), expected=0)
@@ -49,8 +51,21 @@ def test_every_job_exits_cleanly() -> None:
         return None
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        failures = [failure for failure in pool.map(one, CASES) if failure]
+        failures = [failure for failure in pool.map(one, cases) if failure]
     assert not failures, "\n".join(failures)
+
+
+def test_a_job_of_each_mode_exits_cleanly() -> None:
+    """Each mode, ended by finish() or not, with and without destroy_process_group(): exit 0 and
+    no abort on every rank (every combination: the stress tier; many runs of one case beside CPU
+    hogs: benchmarks/exit_stress.py)."""
+    assert_every_case_exits_cleanly(FAST_CASES)
+
+
+@pytest.mark.stress
+def test_every_job_exits_cleanly() -> None:
+    """Every mode, ended by finish() or not, with and without destroy_process_group()."""
+    assert_every_case_exits_cleanly(CASES)
 
 
 def test_an_exception_ends_the_job_with_its_own_status() -> None:

@@ -105,6 +105,8 @@ def telemetry_rank(compute_seconds: float) -> dict:
         opt.accumulate()
         opt.step()
         time.sleep(compute_seconds)  # a long compute phase: the round lands meanwhile
+        while not opt.ready():  # (on a loaded machine it may not have yet: the next step() must not wait)
+            time.sleep(0.01)
     opt.finish()
     return {
         "phases": [dict(s.phase_seconds) for s in opt.round_stats],
@@ -115,13 +117,14 @@ def telemetry_rank(compute_seconds: float) -> dict:
 
 
 def test_telemetry_is_consistent_and_a_fully_overlapped_round_is_hidden(ranks) -> None:
-    """The lane phases add up to the round's lane time, hidden shares lie in [0, 1], and rounds landing
-    during long compute are reported hidden."""
-    for result in ranks(2).run(telemetry_rank, 0.2):
+    """Every lane phase is timed, inside the round's lane time, and a round that finished before
+    the step() that lands it (ready() was True) is reported wholly hidden, with no wait (the
+    mechanism; how much of a lane the phases fill on a busy machine is a benchmark's figure)."""
+    for result in ranks(2).run(telemetry_rank, 0.05):
         for phases, lane in zip(result["phases"], result["lane"]):
             assert set(phases) == {"totals", "reduce-scatter", "update", "all-gather"}
+            assert all(seconds >= 0.0 for seconds in phases.values())
             assert sum(phases.values()) <= lane + 1e-6
-            assert sum(phases.values()) >= 0.8 * lane - 1e-3
         assert all(0.0 <= h <= 1.0 for h in result["hidden"])
-        # Most rounds land during the long compute; a busy machine may delay one.
-        assert sorted(result["hidden"])[1] > 0.9, result
+        landed_in_steps = result["hidden"][:5]  # rounds 0-4 land in steps 1-5, each after ready() said done
+        assert landed_in_steps == [1.0] * 5, result

@@ -71,11 +71,12 @@ def finish(process: subprocess.Popen, tmp: Path, name: str) -> str:
     return log
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("run", [pytest.param("acco"), pytest.param("local-mesh", marks=pytest.mark.stress)])
 def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, run) -> None:
     """Under torchrun with restarts, a rank killed after a checkpoint resumes from it and the run ends
-    bit for bit where an uninterrupted one does: acco on 2 ranks, and mode="local" on a 2 x 2 mesh
-    (FSDP2 inside; killed mid-round, the job restarts once from its DCP checkpoint)."""
+    bit for bit where an uninterrupted one does: acco on 2 ranks, and (the stress tier: 35 s)
+    mode="local" on a 2 x 2 mesh (FSDP2 inside; killed mid-round, the job restarts once from its
+    DCP checkpoint; the fast tier resumes meshes from DCP in tests/test_local_mesh_checkpoints.py)."""
     nproc, restarts, extra = RUNS[run]
     reference = torchrun(tmp_path, "uninterrupted", nproc, restarts, *extra)
     finish(reference, tmp_path, "uninterrupted")
