@@ -54,6 +54,12 @@ __all__ = ["InnerSteps", "LocalClock", "LocalLoop"]
 _POLL_SECONDS = 0.002
 
 
+def _waits_for_hand_overs(round_: LaneRound) -> bool:
+    """Whether the round has not yet got past the other replicas' hand-overs (its first
+    all-reduce, the ``totals`` phase, or before it starts)."""
+    return round_.stats.phase in ("queued", "totals")
+
+
 class LocalLoop(Loop):
     """``mode="local"``'s loop: every ``step()`` is one inner update of this replica; every
     ``sync_every`` steps an outer round launches on the comm lane, and lands when it is done
@@ -248,7 +254,7 @@ class LocalLoop(Loop):
         round's own transfer, which the landing waits for."""
         started = time.perf_counter()
         try:
-            while not round_.future.done() and round_.stats.phase in ("queued", "totals"):
+            while not round_.future.done() and _waits_for_hand_overs(round_):
                 left = patience - (time.perf_counter() - started)
                 if left <= 0:
                     return False
@@ -259,7 +265,7 @@ class LocalLoop(Loop):
 
     def _check_late_stall(self, round_: LaneRound) -> None:
         """A late round still waiting for the others' hand-overs past the stall bound raises."""
-        if round_.stats.phase not in ("queued", "totals"):
+        if not _waits_for_hand_overs(round_):
             return
         bound = self.pacing.stall_bound(self._parts.options.timeout.total_seconds())
         self.pacing.check_stall(time.perf_counter() - self.clock.late_since, bound, round_.stats.index)

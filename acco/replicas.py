@@ -15,8 +15,8 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
   the fastest ``sync_every``, from the speeds every replica reported in the last round, once
   a replica is slower than the fastest by more than :data:`SPEED_BAND` in
   :data:`APART_REPORTS` successive rounds (or by more than twice that in one); when plans first
-  differ rank 0 says so once. While
-  plans differ a replica does not wait long for the others' hand-overs (:meth:`Pacing.patience`):
+  differ rank 0 says so once. Once paced apart, a replica does not wait long for the others'
+  hand-overs (:meth:`Pacing.patience`):
   it goes on taking inner steps, and the round lands when it completes, so a loop's own
   collective at every step never waits in a circle; a round the others never hand over to raises
   :class:`PacingStall`.
@@ -50,14 +50,15 @@ __all__ = ["APART_REPORTS", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS", "PATIEN
 _log = logging.getLogger("acco")
 
 # Speed pacing engages only on a real speed gap (docs/loops.md, "Replicas of different speeds",
-# and benchmarks/pacing_noise.py, which measured the rule). A replica's pace is measured from its
-# step-to-step times over its last pace_window() steps, leaving out every step in which step()
-# waited for a round: after a round, the replica whose comm lane finished first waits for the
-# other in the loop's own collective, which is not its speed. The pace is the median of the means
-# of PACE_BLOCK consecutive steps: a loop with a collective at every step makes the replicas' step
-# times equal over a few steps but not one by one (their compute takes turns being the longer), so
-# a median of single steps differed by up to 14% between equal replicas on loaded cores, where the
-# median of blocks stays within 4%; one long step (an evaluation, a checkpoint) moves one block.
+# and benchmarks/pacing_loops.py, which measured the rule). A replica's pace is measured from its
+# step-to-step times over its last pace_window() steps, leaving out the steps in which step()
+# waited for a round while PACE_BLOCK others are timed: after a round, the replica whose comm lane
+# finished first may wait for the other in the loop's own collective, which is not its speed. The
+# pace is the median of the means of PACE_BLOCK consecutive steps: a loop with a collective at
+# every step makes the replicas' step times equal over a few steps but not one by one (their
+# compute takes turns being the longer), so a median of single steps differed by up to 12%
+# between equal replicas on loaded cores, where the median of blocks stayed within 6%
+# (pacing_loops.py); one long step (an evaluation, a checkpoint) moves one block.
 # A replica takes fewer than sync_every steps only when it is slower than the fastest by more
 # than SPEED_BAND in APART_REPORTS successive reports (one noisy round does not pace equal
 # replicas apart), or by more than twice SPEED_BAND in one (no noise measured comes near: a
@@ -239,10 +240,9 @@ class Pacing:
     round_walls: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=5))
     round_pace: float = 0.0  # seconds per step over the last round (0: not measured)
     # The pace reported: the last pace_window(sync_every) step-to-step times, across rounds, each
-    # less the time step() waited for a round in it, and those that held such a wait; timed from
+    # less the time step() waited for a round in it, with whether it held such a wait; timed from
     # the end of the first step (None before it).
-    step_times: collections.deque[float] = field(default_factory=collections.deque)
-    waited_steps: collections.deque[bool] = field(default_factory=collections.deque)
+    step_times: collections.deque[tuple[float, bool]] = field(default_factory=collections.deque)
     last_step_end: float | None = None
     waited_in_step: float = 0.0
 
@@ -250,7 +250,6 @@ class Pacing:
         if not self.plan:
             self.plan = self.first_plan()
         self.step_times = collections.deque(maxlen=pace_window(self.options.sync_every))
-        self.waited_steps = collections.deque(maxlen=pace_window(self.options.sync_every))
 
     def join(self, replica: int, replicas: int) -> None:
         """This replica's number among ``replicas``, once the outer round's group is known.
@@ -328,8 +327,7 @@ class Pacing:
         if self.last_step_end is None:  # the first step: both measures start at its end
             self.busy_since, self.waited = now, 0.0
         else:
-            self.step_times.append(now - self.last_step_end - self.waited_in_step)
-            self.waited_steps.append(self.waited_in_step > 0)
+            self.step_times.append((now - self.last_step_end - self.waited_in_step, self.waited_in_step > 0))
             self.timed_steps += 1
         self.last_step_end, self.waited_in_step = now, 0.0
 
@@ -349,8 +347,8 @@ class Pacing:
         :data:`PACE_BLOCK` others are timed (after its wait, the loop's own collective may wait
         for a replica still in its own: not this replica's speed). What a hand-over reports, and
         what ``stop_after(seconds=)`` budgets with."""
-        clear = [t for t, waited in zip(self.step_times, self.waited_steps) if not waited]
-        return block_median(clear if len(clear) >= PACE_BLOCK else self.step_times)
+        clear = [seconds for seconds, waited in self.step_times if not waited]
+        return block_median(clear if len(clear) >= PACE_BLOCK else [seconds for seconds, _ in self.step_times])
 
     def hand_over(self) -> HandOver:
         """What the launch now tells the others (its pace: :meth:`pace`); the round's counters
@@ -481,25 +479,22 @@ class Pacing:
         """
         if bound is None or waited <= bound:
             return
+        head = (f"outer round {index}: replica {self.replica} has waited {waited:.1f}s for the other replicas to "
+                f"hand over (bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least "
+                f"{STALL_SHARE:g} of timeout; plan {self.plan}): ")
+        tail = " (docs/loops.md, \"Loops with collectives of their own\"). The other replicas fail when this process exits."
         if self.options.pacing != SPEED:
             raise PacingStall(
-                f"outer round {index}: replica {self.replica} waited {waited:.1f}s for the other replicas to hand over "
-                f"(bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
-                f"timeout); the schedule pacing={list(self.plan)} gives the replicas different inner steps per round, "
-                "and its replicas wait for each other's hand-overs (a schedule's rounds are reproducible). Most likely "
-                "the loop runs a collective of its own at step counts, which a replica that takes more steps per round "
-                "waits in for this one: run such collectives at outer rounds, or pass pacing='speed' (a replica that "
-                "hands over first goes on stepping) or 'lockstep' (docs/loops.md, \"Loops with collectives of their "
-                "own\"). The other replicas fail when this process exits."
+                head + "a fixed schedule's replicas wait for each other's hand-overs (its rounds are reproducible). "
+                "Most likely the loop runs a collective of its own at step counts, which a replica that takes more "
+                "steps per round waits in for this one: run such collectives at outer rounds, or pass pacing='speed' "
+                "(a replica that hands over first goes on stepping) or 'lockstep'" + tail
             )
         raise PacingStall(
-            f"outer round {index}: replica {self.replica} has waited {waited:.1f}s for the other replicas to hand "
-            f"over (bound {bound:.1f}s: {STALL_ROUNDS:g} rounds at their measured pace, at least {STALL_SHARE:g} of "
-            f"timeout; plan {self.plan}): some replica stopped taking inner steps (a hung data loader or device, "
-            "or a wait in its loop for something this replica never does, such as a collective only some replicas "
-            "call). A replica that hands over first goes on taking inner steps while it waits, so a collective "
-            "every replica calls at every step does not stall a round (docs/loops.md, \"Loops with collectives of "
-            "their own\"). The other replicas fail when this process exits."
+            head + "some replica stopped taking inner steps (a hung data loader or device, or a wait in its loop for "
+            "something this replica never does, such as a collective only some replicas call). A replica that hands "
+            "over first goes on taking inner steps while it waits, so a collective every replica calls at every step "
+            "does not stall a round" + tail
         )
 
     def stop_after(self, steps: int | None, seconds: float | None) -> None:
@@ -573,5 +568,4 @@ class Pacing:
         self.timed_steps, self.waited, self.round_pace = 0, 0.0, 0.0
         self.round_walls.clear()
         self.step_times.clear()
-        self.waited_steps.clear()
         self.last_step_end, self.waited_in_step = None, 0.0

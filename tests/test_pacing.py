@@ -251,7 +251,7 @@ def test_the_pace_is_a_median_of_block_means(monkeypatch) -> None:
         if step == 6:
             paced.waited_for_round(2.0)  # step() waited 2 s for a round: the next step is not timed
             now[0] += 2.5
-    assert len(paced.step_times) == 16 and list(paced.waited_steps).count(True) == 1
+    assert len(paced.step_times) == 16 and sum(waited for _, waited in paced.step_times) == 1
     assert paced.hand_over().step_seconds == pytest.approx(0.1)
     now[0] += 0.1
     paced.stepped(1.0)  # a one-step round (finish()'s)
@@ -302,6 +302,10 @@ def test_the_stall_bound() -> None:
     paced.check_stall(STALL_ROUNDS * longest, paced.stall_bound(600.0), 3)
     paced.landed(report((0.5, 0.5)))
     assert paced.plan == [30, 30] and paced.stall_bound(600.0) is not None  # launches no longer aligned
+    schedule = pacing(schedule=(30, 8))  # a fixed schedule's replicas wait for each other: its own cause
+    schedule.landed(report((0.5, 2.0), steps=(30, 8)))
+    with pytest.raises(PacingStall, match="fixed schedule's replicas wait for each other"):
+        schedule.check_stall(schedule.stall_bound(600.0) + 1.0, schedule.stall_bound(600.0), 3)
     with pytest.raises(PacingStall, match="stopped taking inner steps"):
         paced.check_stall(STALL_ROUNDS * longest + 0.5, paced.stall_bound(600.0), 3)
 
@@ -313,8 +317,7 @@ def test_a_stalled_step_or_round_does_not_end_a_seconds_budget_early() -> None:
     paced = pacing(every=10)
     paced.stop_after(None, 60.0)
     now = time.perf_counter()
-    paced.step_times.extend([0.05] * 9 + [8.0])
-    paced.waited_steps.extend([False] * 10)
+    paced.step_times.extend([(0.05, False)] * 9 + [(8.0, False)])
     paced.round_walls.extend([0.55] * 4 + [8.5])
     paced.busy_since, paced.timed_steps, paced.round_steps = now - 8.0, 1, 1  # the stall in this round's first step
     paced.check_budget(inner_steps=1)
