@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -40,8 +39,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_hogs  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "elastic_local.py"
@@ -72,54 +76,39 @@ def wait_for_rounds(directory: Path, index: int, count: int, process: subprocess
     return True
 
 
-def hog(stop: Any) -> None:
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
-
-
 def run_once(scenario: str, directory: Path, extra: list[str], run: int | None = None) -> dict[str, Any]:
     """One launch of the example under ``scenario`` (``run``: its number, seeding where a kill
     lands; None: the scenario's job without its event, the uninterrupted reference)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     command = [sys.executable, str(EXAMPLE), *SCENARIOS[scenario], "--log-dir", str(directory), *extra]
-    out = open(directory.with_suffix(".out"), "w")
-    hogs: list[multiprocessing.Process] = []
-    stop = multiprocessing.get_context("fork").Event()
-    if scenario == "hogs":
-        hogs = [multiprocessing.get_context("fork").Process(target=hog, args=(stop,), daemon=True) for _ in range(4)]
-        for process in hogs:
-            process.start()
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    event = None
-    rng = random.Random(run)
-    try:
-        if run is None:
-            pass
-        elif scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
-            pid = int((directory / "replica-2.pid").read_text().split()[0])
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(6.0)
-            os.kill(pid, signal.SIGCONT)
-            event = "paused replica 2 for 6 s"
-        elif scenario == "late-kill" and wait_for_rounds(directory, 1, 4, process):
-            for pid in (directory / "replica-1.pid").read_text().split():
-                os.kill(int(pid), signal.SIGKILL)
-            event = "killed replica 1"
-        elif scenario == "rank-kill" and wait_for_rounds(directory, 1, rng.randint(2, 8), process):
-            time.sleep(rng.uniform(0.0, 1.0))
-            pids = (directory / "replica-1.pid").read_text().split()
-            victim = rng.randrange(len(pids))
-            os.kill(int(pids[victim]), signal.SIGKILL)
-            event = f"killed rank {victim} of replica 1"
-        code = process.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        code = "timeout"
-    finally:
-        stop.set()
-        for hogging in hogs:
-            hogging.join(timeout=5)
+    with open(directory.with_suffix(".out"), "w") as out, cpu_hogs(4 if scenario == "hogs" else 0):
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        event = None
+        rng = random.Random(run)
+        try:
+            if run is None:
+                pass
+            elif scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
+                pid = int((directory / "replica-2.pid").read_text().split()[0])
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(6.0)
+                os.kill(pid, signal.SIGCONT)
+                event = "paused replica 2 for 6 s"
+            elif scenario == "late-kill" and wait_for_rounds(directory, 1, 4, process):
+                for pid in (directory / "replica-1.pid").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+                event = "killed replica 1"
+            elif scenario == "rank-kill" and wait_for_rounds(directory, 1, rng.randint(2, 8), process):
+                time.sleep(rng.uniform(0.0, 1.0))
+                pids = (directory / "replica-1.pid").read_text().split()
+                victim = rng.randrange(len(pids))
+                os.kill(int(pids[victim]), signal.SIGKILL)
+                event = f"killed rank {victim} of replica 1"
+            code = process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            code = "timeout"
     replicas = int(SCENARIOS[scenario][SCENARIOS[scenario].index("--replicas") + 1])
     finals = {i: (directory / f"replica-{i}.final").read_text() for i in range(replicas)
               if (directory / f"replica-{i}.final").exists()}  # fmt: skip
@@ -140,6 +129,56 @@ def passed(result: dict[str, Any]) -> bool:
     return result["exit"] == 0 and result["identical"] and result.get("restarted", True) and result.get("loss_within", True)
 
 
+def run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str] = (), parallel: int = 1,
+                 report: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """``runs`` launches of ``scenario`` (``parallel`` at a time; ``hogs`` one at a time, its
+    hogs are the load), each checked by :func:`passed`; rank-kill first runs the job
+    uninterrupted for the held-out loss. Logs under ``base``; each run's line to ``report``.
+    Also the stress tier's harness (tests/test_stress.py)."""
+    parallel = 1 if scenario == "hogs" else parallel
+    reference = None
+    if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss
+        (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
+        reference = run_once(scenario, base / f"{scenario}-reference", list(extra))
+        report(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}")
+    results: list[dict[str, Any]] = []
+    for first in range(0, runs, parallel):
+        batch = range(first, min(runs, first + parallel))
+        outcome: dict[int, dict[str, Any]] = {}
+
+        def one(n: int) -> None:
+            directory = base / f"{scenario}-{n}"
+            directory.mkdir(parents=True, exist_ok=True)
+            outcome[n] = run_once(scenario, directory, list(extra), n)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in batch]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for n in batch:
+            result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
+            if reference is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
+                result["reference_loss"] = reference["eval_loss"]
+                result["restarted"] = result["restarts"].get(1, 0) >= 1
+                result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
+                                         abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
+            results.append(result)
+            report(describe(result))
+    return results
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One run's line: pass or fail, exit, digests, rounds, heals, seconds (rank-kill: the kill,
+    the restart and the held-out loss against the uninterrupted run's)."""
+    return (f"{result['scenario']:9s} run {result['run']:2d}: {'ok  ' if passed(result) else 'FAIL'} exit {result['exit']} | "
+            f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
+            f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
+            f"content heals {result['content_heals']} | {result['seconds']} s"
+            + (f" | {result['event']}, restarted {result['restarted']}, held-out loss {result['eval_loss']} "
+               f"(uninterrupted {result['reference_loss']})" if "reference_loss" in result else ""))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
@@ -151,41 +190,7 @@ def main() -> None:
     base = args.keep or Path(tempfile.mkdtemp(prefix="elastic-stress-"))
     results: list[dict[str, Any]] = []
     for scenario in args.scenarios:
-        parallel = 1 if scenario == "hogs" else args.parallel
-        reference = None
-        if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss
-            (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
-            reference = run_once(scenario, base / f"{scenario}-reference", extra)
-            print(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}", flush=True)
-        for first in range(0, args.runs, parallel):
-            batch = range(first, min(args.runs, first + parallel))
-            outcome: dict[int, dict[str, Any]] = {}
-
-            def one(n: int) -> None:
-                directory = base / f"{scenario}-{n}"
-                directory.mkdir(parents=True, exist_ok=True)
-                outcome[n] = run_once(scenario, directory, extra, n)
-
-            threads = [threading.Thread(target=one, args=(n,)) for n in batch]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for n in batch:
-                result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
-                if reference is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
-                    result["reference_loss"] = reference["eval_loss"]
-                    result["restarted"] = result["restarts"].get(1, 0) >= 1
-                    result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
-                                             abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
-                results.append(result)
-                ok = passed(result)
-                print(f"{scenario:9s} run {n:2d}: {'ok  ' if ok else 'FAIL'} exit {result['exit']} | "
-                      f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
-                      f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
-                      f"content heals {result['content_heals']} | {result['seconds']} s"
-                      + (f" | {result['event']}, restarted {result['restarted']}, held-out loss {result['eval_loss']} "
-                         f"(uninterrupted {result['reference_loss']})" if reference is not None else ""), flush=True)  # fmt: skip
+        results += run_scenario(scenario, args.runs, base, extra, args.parallel, report=lambda line: print(line, flush=True))
     print()
     for scenario in args.scenarios:
         mine = [r for r in results if r["scenario"] == scenario]

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -207,8 +208,10 @@ def test_an_elastic_job_stopped_and_resumed_from_its_checkpoints_is_the_uninterr
     each with its own checkpoint (acco.checkpoint.save); a new job (a new lighthouse, new
     processes) loads them after its join round and trains to step 8: bit for bit the
     uninterrupted 8-step run, on both groups."""
-    (whole0, _, count0), (whole1, _, _) = run_replicas(8)
-    run_replicas(8, checkpoint=("save", str(tmp_path), 5))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the uninterrupted job beside the one that stops
+        whole = pool.submit(run_replicas, 8)
+        run_replicas(8, checkpoint=("save", str(tmp_path), 5))
+        (whole0, _, count0), (whole1, _, _) = whole.result()
     (params0, _, resumed0), (params1, _, _) = run_replicas(8, checkpoint=("resume", str(tmp_path), 5))
     assert resumed0 == count0  # the saved count of rounds goes on (the new join round is the saved state's)
     for name in whole0:
@@ -372,21 +375,24 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
 def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
-    """Two groups with the default pacing ("speed"), equal speeds and group 1 three times slower
-    (both runs at once): at equal speeds every plan is [10, 10]; beside the slow group, group 1
-    takes a third of the steps a round (2 to 5 of 10), no round goes without it, and both end
-    identical with exit 0; in the stress tier (a rate on a loaded machine is a measurement), group
-    0 keeps at least 0.9 of its rate at equal speeds."""
+    """Group 1 three times slower, the default pacing ("speed"): after its first rounds group 1
+    takes fewer steps a round than group 0's 10, no round goes without it, and both end
+    identical with exit 0. The stress tier (a rate on a loaded machine is a measurement) runs
+    equal groups beside it: their every plan is [10, 10], the slow group takes about a third
+    (2 to 5 of 10), and group 0 keeps at least 0.9 of its rate at equal speeds."""
     equal, slow = tmp_path / "equal", tmp_path / "slow"
-    processes = [launch(equal, *PACED), launch(slow, *PACED, "--slow", "1:3")]
-    for process, directory in zip(processes, (equal, slow)):
+    runs = {slow: launch(slow, *PACED, "--slow", "1:3")}
+    if rate_checked:
+        runs[equal] = launch(equal, *PACED)
+    for directory, process in runs.items():
         finish(process, directory)
         assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text()
-    plans = [r["steps"] for r in records(equal, 0)[1:] if not r.get("final") and r["inner_step"] < 120]
-    assert all(plan == [10, 10] for plan in plans), plans
     paced = [r for r in records(slow, 0)[3:] if not r.get("final") and r["inner_step"] < 120]
-    assert all(r["steps"][0] == 10 and 2 <= r["steps"][1] <= 5 and r["participants"] == 2 for r in paced), paced
+    assert paced and all(r["steps"][0] == 10 and r["steps"][1] < 10 and r["participants"] == 2 for r in paced), paced
     if rate_checked:
+        plans = [r["steps"] for r in records(equal, 0)[1:] if not r.get("final") and r["inner_step"] < 120]
+        assert all(plan == [10, 10] for plan in plans), plans
+        assert all(2 <= r["steps"][1] <= 5 for r in paced), paced
         assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
 
 
@@ -416,18 +422,21 @@ def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> Non
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
 def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_checked) -> None:
-    """Three runs of 3 groups at once: without stalls; group 2 stalled (``--stall``: asleep in its
-    training loop, heartbeating) for 8 s at inner step 40; group 2 paused (SIGSTOP, its heartbeats
-    stopped too) for 6 s after its third round. In both late runs the others keep their rate
-    (rounds land without group 2 once the grace window has passed) and group 2's inner steps all
-    count in its next round (:func:`check_late_group`; their rates in the stress tier)."""
+    """Runs of 3 groups at once: group 2 stalled (``--stall``: asleep in its training loop,
+    heartbeating) for 8 s at inner step 40; group 2 paused (SIGSTOP, its heartbeats stopped too)
+    for 6 s after its third round. In both the others land rounds without group 2 once the grace
+    window has passed, and group 2's inner steps all count in its next round
+    (:func:`check_late_group`). The stress tier adds a run without stalls beside them: its steps
+    all count too, and the others keep 0.9 of its rate in the late runs."""
     baseline, stalled, paused = tmp_path / "baseline", tmp_path / "stalled", tmp_path / "paused"
-    processes = [launch(baseline, *LATE), launch(stalled, *LATE, "--stall", "2:40:8"), launch(paused, *LATE)]
+    processes = [launch(stalled, *LATE, "--stall", "2:40:8"), launch(paused, *LATE)]
+    if rate_checked:
+        processes.append(launch(baseline, *LATE))
 
     def pause() -> None:
         deadline = time.monotonic() + 60
         while landed(paused, 2) < 3:
-            if processes[2].poll() is not None or time.monotonic() > deadline:
+            if processes[1].poll() is not None or time.monotonic() > deadline:
                 return  # the checks below fail
             time.sleep(0.01)
         pid = int((paused / "replica-2.pid").read_text())  # just landed a round: in its inner steps
@@ -437,11 +446,12 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_ch
 
     pauser = threading.Thread(target=pause, daemon=True)
     pauser.start()
-    for process, directory in zip(processes, (baseline, stalled, paused)):
+    for process, directory in zip(processes, (stalled, paused, baseline)):
         finish(process, directory)
     pauser.join()
-    assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
-    for i in range(3):  # without a stall every step counts too
-        assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
+    if rate_checked:
+        assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
+        for i in range(3):  # without a stall every step counts too
+            assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
     check_late_group(stalled, baseline, rate_checked)
     check_late_group(paused, baseline, rate_checked)
