@@ -132,15 +132,17 @@ def passed(result: dict[str, Any]) -> bool:
 def run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str] = (), parallel: int = 1,
                  report: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """``runs`` launches of ``scenario`` (``parallel`` at a time; ``hogs`` one at a time, its
-    hogs are the load), each checked by :func:`passed`; rank-kill first runs the job
-    uninterrupted for the held-out loss. Logs under ``base``; each run's line to ``report``.
-    Also the stress tier's harness (tests/test_stress.py)."""
+    hogs are the load), each checked by :func:`passed`; rank-kill also runs the job
+    uninterrupted (beside the first runs) for the held-out loss. Logs under ``base``; each
+    run's line to ``report``. Also the stress tier's harness (tests/test_stress.py)."""
     parallel = 1 if scenario == "hogs" else parallel
-    reference = None
-    if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss
+    reference: dict[str, Any] = {}
+    referee = None
+    if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss, beside the first runs
         (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
-        reference = run_once(scenario, base / f"{scenario}-reference", list(extra))
-        report(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}")
+        referee = threading.Thread(target=lambda: reference.update(run_once(scenario, base / f"{scenario}-reference",
+                                                                            list(extra))))  # fmt: skip
+        referee.start()
     results: list[dict[str, Any]] = []
     for first in range(0, runs, parallel):
         batch = range(first, min(runs, first + parallel))
@@ -156,14 +158,18 @@ def run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str] = ()
             thread.start()
         for thread in threads:
             thread.join()
-        for n in batch:
-            result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
-            if reference is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
-                result["reference_loss"] = reference["eval_loss"]
-                result["restarted"] = result["restarts"].get(1, 0) >= 1
-                result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
-                                         abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
-            results.append(result)
+        results += [{**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")} for n in batch]
+        if referee is None:
+            for result in results[-len(batch):]:
+                report(describe(result))
+    if referee is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
+        referee.join()
+        report(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}")
+        for result in results:
+            result["reference_loss"] = reference["eval_loss"]
+            result["restarted"] = result["restarts"].get(1, 0) >= 1
+            result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
+                                     abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
             report(describe(result))
     return results
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,29 +25,28 @@ from tests.ranks import run_script  # noqa: E402
 JOB = str(Path(__file__).resolve().parents[1] / "tests" / "exit_job.py")
 
 
-def run_case(case: str, runs: int) -> list[tuple[int, int, int, str]]:
-    """``runs`` jobs of ``case`` (MODE:END:DESTROY, as tests/exit_job.py takes); per rank that
-    aborted ("terminate called") or exited non-zero: (run, rank, exit code, its stderr's tail).
-    Also the stress tier's harness (tests/test_stress.py)."""
+def run_case(case: str, runs: int, at_once: int = 1) -> list[tuple[int, int, int, str]]:
+    """``runs`` jobs of ``case`` (MODE:END:DESTROY, as tests/exit_job.py takes), ``at_once`` at
+    a time; per rank that aborted ("terminate called") or exited non-zero: (run, rank, exit
+    code, its stderr's tail). Also the stress tier's harness (tests/test_stress.py)."""
     mode, end, destroy = case.split(":")
-    bad = []
-    for run in range(runs):
-        for rank, result in enumerate(run_script(JOB, mode, end, destroy)):
-            if "terminate called" in result.stderr or result.returncode != 0:
-                bad.append((run, rank, result.returncode, result.stderr[-400:]))
-    return bad
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        jobs = list(pool.map(lambda _: run_script(JOB, mode, end, destroy), range(runs)))
+    return [(run, rank, result.returncode, result.stderr[-400:]) for run, results in enumerate(jobs)
+            for rank, result in enumerate(results) if "terminate called" in result.stderr or result.returncode != 0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--hogs", type=int, default=2)
+    parser.add_argument("--at-once", type=int, default=1, help="jobs at a time")
     parser.add_argument("--cases", nargs="+", default=["sync:finish:0"], help="MODE:END:DESTROY, as tests/exit_job.py takes")
     args = parser.parse_args()
     with cpu_hogs(args.hogs):
         for case in args.cases:
             started = time.monotonic()
-            bad = run_case(case, args.runs)
+            bad = run_case(case, args.runs, args.at_once)
             print(f"{case}: {args.runs - len({b[0] for b in bad})} of {args.runs} runs clean beside {args.hogs} CPU hogs "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
             for run, rank, code, tail in bad:
