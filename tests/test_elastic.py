@@ -375,11 +375,12 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
 def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
-    """Group 1 three times slower, the default pacing ("speed"): after its first rounds group 1
-    takes fewer steps a round than group 0's 10, no round goes without it, and both end
-    identical with exit 0. The stress tier (a rate on a loaded machine is a measurement) runs
-    equal groups beside it: their every plan is [10, 10], the slow group takes about a third
-    (2 to 5 of 10), and group 0 keeps at least 0.9 of its rate at equal speeds."""
+    """Group 1 three times slower, the default pacing ("speed"): once the first reports are in,
+    pacing gives group 1 fewer steps than group 0's 10 (every round follows the speeds measured
+    in the last: a load spike that slows group 0 as much as group 1 gives one round [10, 10]),
+    group 0 takes its 10 in every round, no round goes without group 1, and both end identical
+    with exit 0. The stress tier (a rate on a loaded machine is a measurement) runs equal groups
+    beside it: both end identical, and group 0 keeps at least 0.9 of its rate at equal speeds."""
     equal, slow = tmp_path / "equal", tmp_path / "slow"
     runs = {slow: launch(slow, *PACED, "--slow", "1:3")}
     if rate_checked:
@@ -387,12 +388,10 @@ def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_
     for directory, process in runs.items():
         finish(process, directory)
         assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text()
-    paced = [r for r in records(slow, 0)[3:] if not r.get("final") and r["inner_step"] < 120]
-    assert paced and all(r["steps"][0] == 10 and r["steps"][1] < 10 and r["participants"] == 2 for r in paced), paced
+    rounds = [r for r in records(slow, 0)[1:] if not r.get("final") and r["inner_step"] < 120]
+    assert all(r["steps"][0] == 10 and r["participants"] == 2 for r in rounds), rounds
+    assert any(r["steps"][1] < 10 for r in rounds), rounds
     if rate_checked:
-        plans = [r["steps"] for r in records(equal, 0)[1:] if not r.get("final") and r["inner_step"] < 120]
-        assert all(plan == [10, 10] for plan in plans), plans
-        assert all(2 <= r["steps"][1] <= 5 for r in paced), paced
         assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
 
 
