@@ -325,14 +325,12 @@ def check_run(directory: Path, uninterrupted: float) -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("batches", [
     pytest.param([[0, 1]], id="two"),
-    pytest.param([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]], id="ten", marks=pytest.mark.stress),
 ])  # fmt: skip
 def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, batches) -> None:
     """Runs of :func:`killed_run` (three at a time; the uninterrupted run beside the last ones),
     each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
-    passing: two in the fast tier (a rank killed from outside, a replica dying inside a round),
-    ten in the stress tier. (Groups of 2 ranks: tests/test_elastic_mesh.py has one such run,
-    benchmarks/elastic_stress.py ``rank-kill`` ten.)"""
+    passing: a rank killed from outside, a replica dying inside a round. (Ten kills of a group
+    and ten of a rank of a 2-rank group: the stress tier, tests/test_stress.py.)"""
     group: list[str] = []
     reference = tmp_path / "uninterrupted"
     outcomes: dict[int, Path] = {}
