@@ -371,7 +371,7 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=[pytest.mark.stress, pytest.mark.measured])])
 def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
     """Group 1 three times slower, the default pacing ("speed"): once the first reports are in,
     pacing gives group 1 fewer steps than group 0's 10 (every round follows the speeds measured
@@ -417,7 +417,7 @@ def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> Non
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.stress)])
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=[pytest.mark.stress, pytest.mark.measured])])
 def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_checked) -> None:
     """Runs of 3 groups at once: group 2 stalled (``--stall``: asleep in its training loop,
     heartbeating) for 8 s at inner step 40; group 2 paused (SIGSTOP, its heartbeats stopped too)

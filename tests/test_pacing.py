@@ -55,7 +55,7 @@ def job(out: Path, *args: str, netns_name: str | None = None, timeout: float = 1
     return records
 
 
-@pytest.fixture(params=[pytest.param("10mbit", marks=pytest.mark.stress), "40mbit"])
+@pytest.fixture(params=[pytest.param("10mbit", marks=[pytest.mark.stress, pytest.mark.measured]), "40mbit"])
 def slow_link(request):
     """A network namespace whose loopback carries 10 or 40 Mbit/s (skipped where one cannot be made;
     the fast tier runs 40, the stress tier 10 too)."""
@@ -119,7 +119,7 @@ def sleepy_rank(options: dict, budget: int, sleep: list[float], reported: bool =
             "logged": [m for m in logged if "speed pacing" in m]}
 
 
-@pytest.mark.parametrize("reported", [True, pytest.param(False, marks=pytest.mark.stress)])
+@pytest.mark.parametrize("reported", [True, pytest.param(False, marks=[pytest.mark.stress, pytest.mark.measured])])
 def test_a_slow_replica_is_paced_and_rank_0_warns_once(ranks, reported) -> None:
     """Replica 1 three times slower (30 ms a step against 10, reported as such; measured in the
     stress tier): the first round in lockstep (nothing measured), then, a gap past twice the band
@@ -140,7 +140,7 @@ def test_a_slow_replica_is_paced_and_rank_0_warns_once(ranks, reported) -> None:
     assert not results[1]["warnings"] and not results[1]["logged"]
 
 
-@pytest.mark.parametrize("bits, reported", [(32, True), (4, True), pytest.param(32, False, marks=pytest.mark.stress)])
+@pytest.mark.parametrize("bits, reported", [(32, True), (4, True), pytest.param(32, False, marks=[pytest.mark.stress, pytest.mark.measured])])
 def test_equal_replicas_are_the_lockstep_run_bit_for_bit(ranks, bits, reported) -> None:
     """Default pacing, equal replicas (10 ms a step each, reported as such; measured in the
     stress tier: a step of this test's model alone takes about a millisecond, and on a machine
