@@ -41,13 +41,14 @@ import torch.distributed as dist
 
 import acco
 
-__all__ = ["BENCHMARK", "GRID", "SETTINGS", "Setting", "blocks", "decide", "report"]
+__all__ = ["BENCHMARK", "GRID", "SETTINGS", "Setting", "blocks", "decide", "report", "runtimes"]
 
 LRS = (0.5, 0.7, 1.0)
 MOMENTA = (0.3, 0.6, 0.9)
 GRID = tuple((lr, mu) for lr in LRS for mu in MOMENTA)
 OLD_DEFAULT = (0.5, 0.3)  # the default the old grid chose (benchmarks/outer_defaults.py)
 SYNC = "acco-sync"
+LINK = "benchmarks/results/"  # the figures, as the top README links them (report.py adapts docs/)
 QUIET_FILE = Path("/tmp/quiet")  # the lead's timing windows: no launch starts while it exists
 SIZES = {"small": {"n_layer": 4, "n_embd": 128, "n_head": 4},  # the example GPT of time_to_loss.py: 0.83M
          "large": {"n_layer": 4, "n_embd": 256, "n_head": 4}}  # 3.24M
@@ -146,8 +147,6 @@ def check(args: argparse.Namespace) -> str | None:
     setting = SETTINGS[args.setting]
     args.ranks = setting.ranks
     args.steps = args.steps or setting.steps
-    if "RANK" not in os.environ and (args.out is None or args.quick):
-        args.out = results_path(args.setting, common.SCRATCH_DIR if args.quick else common.RESULTS_DIR)
     return None
 
 
@@ -404,9 +403,9 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
     parts = []
     for name, d in data.items():
         if final_losses(d):
-            parts.append(f"### {name}\n\n" + grid_table(name, d) + f"\n\n![{name}]({heatmap(name, d, results_dir)})")
+            parts.append(f"**{name}**: " + grid_table(name, d) + f"\n\n![{name}]({LINK}{heatmap(name, d, results_dir)})")
     if data:
-        parts.append(f"Loss curves: ![curves]({curves(data, results_dir)})")
+        parts.append(f"Held-out loss against inner steps, every setting:\n\n![curves]({LINK}{curves(data, results_dir)})")
     for name, d in data.items():
         if d["setting"]["from_grid"] is None and final_losses(d):
             f = flattening(d)
@@ -428,14 +427,24 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
 
 
 def blocks(results: dict[str, Any], results_dir: Path) -> dict[str, str]:
-    return {"outer_grid": report(results_dir)}
+    """docs/loops.md's block (report.py), from every setting's file in ``results_dir``."""
+    return {"outer-grid": report(results_dir)} if load_all(results_dir) else {}
+
+
+def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(f"outer_grid {name.removeprefix('outer_grid-')}", data["runtime_s"]) for name, data in sorted(results.items())
+            if "runtime_s" in data]
 
 
 BENCHMARK = common.Benchmark("outer_grid", __doc__, arguments, rank, sweep=sweep, check=check,
-                             quick={"steps": 60})
+                             quick={"steps": 60}, stem="outer_grid-{setting}")
 
 if __name__ == "__main__":
-    if "--report" in sys.argv[1:]:
-        print(report())
+    if "--report" in sys.argv[1:]:  # this block alone (report.py writes every benchmark's)
+        import report as readmes
+
+        text = report()
+        print(text)
+        readmes.place({"outer-grid": text})
     else:
         common.main(BENCHMARK)
