@@ -275,16 +275,28 @@ def sync_loss(data: dict[str, Any]) -> float | None:
     return None if run is None else run["final_loss"]
 
 
+BAR = 1.0  # percent: a default within this of the best measured cell in every setting (issue 57)
+
+
 def decide(data: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The cell measured in every setting whose largest gap to that setting's best cell is the
-    smallest; each candidate's gap per setting (%)."""
-    per_setting = {name: final_losses(d) for name, d in data.items()}
-    per_setting = {name: losses for name, losses in per_setting.items() if losses}
-    common_cells = set.intersection(*(set(losses) for losses in per_setting.values())) if per_setting else set()
-    gaps = {cell: {name: 100 * (losses[cell] / min(losses.values()) - 1) for name, losses in per_setting.items()}
-            for cell in common_cells}
-    ranked = sorted(gaps, key=lambda cell: (max(gaps[cell].values()), sum(gaps[cell].values())))
-    return {"choice": ranked[0] if ranked else None, "gaps": gaps, "ranked": ranked,
+    """Per cell measured anywhere, its gap (%) to each setting's best measured cell (None where
+    it was not measured); the choice: among the cells measured in every setting, the one whose
+    largest gap is smallest, if that is within ``BAR`` (else None, and why)."""
+    per_setting = {name: losses for name, d in data.items() if (losses := final_losses(d))}
+    cells = list(dict.fromkeys(cell for losses in per_setting.values() for cell in sorted(losses, key=losses.get)))
+    gaps = {cell: {name: (100 * (losses[cell] / min(losses.values()) - 1) if cell in losses else None)
+                   for name, losses in per_setting.items()} for cell in cells}
+    everywhere = [cell for cell in cells if all(g is not None for g in gaps[cell].values())]
+    ranked = sorted(everywhere, key=lambda cell: (max(gaps[cell].values()), sum(gaps[cell].values())))
+    choice = ranked[0] if ranked and max(gaps[ranked[0]].values()) <= BAR else None
+    if choice is not None:
+        why = f"within {BAR:g}% of the best measured cell in every setting"
+    elif ranked:
+        why = (f"no cell measured in every setting is within {BAR:g}% of each one's best: the closest, "
+               f"{ranked[0][0]:g} / {ranked[0][1]:g}, is {max(gaps[ranked[0]].values()):.2f}% from it")
+    else:
+        why = "no cell is measured in every setting"
+    return {"choice": choice, "why": why, "gaps": gaps, "everywhere": ranked,
             "best": {name: min(losses, key=losses.get) for name, losses in per_setting.items()}}
 
 
@@ -340,7 +352,9 @@ def flattening(data: dict[str, Any]) -> dict[str, Any]:
     order_end = sorted(losses, key=losses.get)
     return {"best": best, "quarter_drop_share": [(quarters[q] - quarters[q + 1]) / drop for q in range(4)],
             "last_quarter_drop_percent": 100 * (quarters[3] - quarters[4]) / quarters[3],
-            "order_at_half": order_half, "order_at_end": order_end}
+            "order_at_half": order_half, "order_at_end": order_end,
+            "gap_at_half": {cell: 100 * (half[cell] / min(half.values()) - 1) for cell in order_half},
+            "gap_at_end": {cell: 100 * (losses[cell] / min(losses.values()) - 1) for cell in order_end}}
 
 
 def _loss_at(points: list[dict[str, Any]], n: float) -> float | None:
@@ -412,17 +426,19 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
             parts.append(
                 f"Length ({name}, best cell {f['best']}): share of the run's drop in each quarter "
                 + ", ".join(f"{100 * v:.1f}%" for v in f["quarter_drop_share"])
-                + f"; last quarter {f['last_quarter_drop_percent']:.2f}% of the loss; cells' order at half the run "
-                + ", ".join(f"{lr:g}/{mu:g}" for lr, mu in f["order_at_half"]) + "; at the end "
-                + ", ".join(f"{lr:g}/{mu:g}" for lr, mu in f["order_at_end"]))
+                + f"; the last quarter lowered the loss by {f['last_quarter_drop_percent']:.2f}%; cells' order (gap to the best) at half the run "
+                + ", ".join(f"{lr:g}/{mu:g} ({f['gap_at_half'][lr, mu]:+.1f}%)" for lr, mu in f["order_at_half"])
+                + "; at the end " + ", ".join(f"{lr:g}/{mu:g} ({f['gap_at_end'][lr, mu]:+.1f}%)" for lr, mu in f["order_at_end"]))
     decision = decide(data)
-    if decision["choice"] is not None:
+    if decision["gaps"]:
         rows = [[f"{cell[0]:g} / {cell[1]:g}" + (" (chosen)" if cell == decision["choice"] else ""),
-                 *(f"{decision['gaps'][cell][name]:+.2f}%" for name in decision["best"]),
-                 f"{max(decision['gaps'][cell].values()):+.2f}%"] for cell in decision["ranked"]]
-        parts.append("Gap to each setting's best cell, for every cell measured in all of them\n\n" + common.md_table(
-            ["outer lr / momentum", *decision["best"], "largest"], rows) + "\n\nBest per setting: " +
-            ", ".join(f"{name} {lr:g} / {mu:g}" for name, (lr, mu) in decision["best"].items()))
+                 *("-" if (g := gaps[name]) is None else f"{g:+.2f}%" for name in decision["best"]),
+                 f"{max(v for v in gaps.values() if v is not None):+.2f}%"]
+                for cell, gaps in decision["gaps"].items()]
+        parts.append("Gap to each setting's best measured cell (-: not measured there)\n\n" + common.md_table(
+            ["outer lr / momentum", *decision["best"], "largest measured"], rows) + "\n\nBest per setting: " +
+            ", ".join(f"{name} {lr:g} / {mu:g}" for name, (lr, mu) in decision["best"].items()) +
+            f". Decision rule (`outer_grid.decide`): {decision['why']}.")
     return "\n\n".join(parts)
 
 
