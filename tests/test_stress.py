@@ -43,6 +43,5 @@ def run_and_check(tmp_path: Path, scenario: str, parallel: int, extra: tuple[str
 @pytest.mark.parametrize("scenario", ["rank-kill", "late-kill"])
 def test_killed_groups_rejoin_in_every_run(tmp_path, scenario) -> None:
     """Ten runs of a rank of a 2-rank FSDP2 group killed at a random point, ten of a group killed
-    in a run's last rounds, two at a time (the pause and the hogs: tests/test_stress_load.py,
-    which a second worker runs beside this file)."""
+    in a run's last rounds, two at a time (the pause and the hogs: tests/test_stress_load.py)."""
     run_and_check(tmp_path, scenario, parallel=2)

@@ -1,7 +1,7 @@
 """The stress tier's elastic soaks under load (``python -m pytest -q -m stress``): ten runs of 3
 groups with one paused (SIGSTOP) for 6 s, and ten beside four CPU hogs, through
 benchmarks/elastic_stress.py's harness (tests/test_stress.py's :func:`run_and_check`). A file
-of its own, so that a second worker runs it beside the killed-group soaks."""
+of its own: with ``-n 2 --dist loadfile`` a second worker takes it."""
 
 from __future__ import annotations
 
