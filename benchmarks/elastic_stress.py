@@ -6,7 +6,8 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
 
 - ``pause``: 3 groups (``--steps 300 --step-seconds 0.05``), replica 2's process paused with
   SIGSTOP for 6 s a few rounds in, then SIGCONT;
-- ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole run;
+- ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole scenario (with
+  ``--parallel``, several runs beside the same four);
 - ``late-kill``: 2 groups, ``--steps 400`` with no step sleep, replica 1 killed (SIGKILL) three
   rounds in: the survivor may finish before it has restarted;
 - ``rank-kill``: 2 groups of 2 ranks (``--nproc-per-replica 2``, FSDP2 inside; ``--inner tp`` after
@@ -15,7 +16,9 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
   Each run is also checked against an uninterrupted run of the same job (run once first): group 1
   restarted, and the held-out loss within 2% of the uninterrupted one. 400 inner steps: at 200,
   a group of 2 ranks out for its restart (about 6 s here) is an eighth of the run, and 1 of 6
-  runs ended 2.3% above (results/elastic_stress-rank-kill-200steps.log).
+  runs ended 2.3% above (results/elastic_stress-rank-kill-200steps.log). One micro-batch per
+  inner step (the example's default: 2): a step of 4 FSDP2 ranks on 2 cores is about 30% cheaper,
+  and ten runs are the stress tier's largest cost.
 
     pip install -e '.[ft]'
     python benchmarks/elastic_stress.py --scenarios pause hogs late-kill --runs 20
@@ -55,8 +58,9 @@ SCENARIOS = {
     "hogs": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "late-kill": ["--replicas", "2", "--steps", "400"],
     "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "400",
-                  "--step-seconds", "0.02", "--sync-every", "10"],
+                  "--step-seconds", "0.02", "--sync-every", "10", "--micro-batches", "1"],
 }
+HOGS = 4  # the hogs scenario's busy processes, for all its runs (with --parallel 2: two runs beside them)
 LOSS_TOLERANCE = 0.02  # rank-kill: the held-out loss within 2% of the uninterrupted run's
 
 
@@ -82,7 +86,7 @@ def run_once(scenario: str, directory: Path, extra: list[str], run: int | None =
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     command = [sys.executable, str(EXAMPLE), *SCENARIOS[scenario], "--log-dir", str(directory), *extra]
     started = time.monotonic()
-    with open(directory.with_suffix(".out"), "w") as out, cpu_hogs(4 if scenario == "hogs" else 0):
+    with open(directory.with_suffix(".out"), "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         event = None
         rng = random.Random(run)
@@ -131,11 +135,16 @@ def passed(result: dict[str, Any]) -> bool:
 
 def run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str] = (), parallel: int = 1,
                  report: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """``runs`` launches of ``scenario`` (``parallel`` at a time; ``hogs`` one at a time, its
-    hogs are the load), each checked by :func:`passed`; rank-kill also runs the job
+    """``runs`` launches of ``scenario`` (``parallel`` at a time; ``hogs``: beside four CPU hogs
+    for the whole scenario), each checked by :func:`passed`; rank-kill also runs the job
     uninterrupted (beside the first runs) for the held-out loss. Logs under ``base``; each
     run's line to ``report``. Also the stress tier's harness (tests/test_stress.py)."""
-    parallel = 1 if scenario == "hogs" else parallel
+    with cpu_hogs(HOGS if scenario == "hogs" else 0):
+        return _run_scenario(scenario, runs, base, extra, parallel, report)
+
+
+def _run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str], parallel: int,
+                  report: Callable[[str], None]) -> list[dict[str, Any]]:
     reference: dict[str, Any] = {}
     referee = None
     if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss, beside the first runs

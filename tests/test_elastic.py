@@ -371,14 +371,14 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=[pytest.mark.stress, pytest.mark.measured])])
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.measured)])
 def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
     """Group 1 three times slower, the default pacing ("speed"): once the first reports are in,
     pacing gives group 1 fewer steps than group 0's 10 (every round follows the speeds measured
     in the last: a load spike that slows group 0 as much as group 1 gives one round [10, 10]),
     group 0 takes its 10 in every round, no round goes without group 1, and both end identical
-    with exit 0. The stress tier (a rate on a loaded machine is a measurement) runs equal groups
-    beside it: both end identical, and group 0 keeps at least 0.9 of its rate at equal speeds."""
+    with exit 0. The measured tier (``-m measured``, on a quiet machine: a rate on a loaded one
+    measures the load) runs equal groups beside it: both end identical, and group 0 keeps at least 0.9 of its rate at equal speeds."""
     equal, slow = tmp_path / "equal", tmp_path / "slow"
     runs = {slow: launch(slow, *PACED, "--slow", "1:3")}
     if rate_checked:
@@ -417,13 +417,13 @@ def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> Non
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=[pytest.mark.stress, pytest.mark.measured])])
+@pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.measured)])
 def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_checked) -> None:
     """Runs of 3 groups at once: group 2 stalled (``--stall``: asleep in its training loop,
     heartbeating) for 8 s at inner step 40; group 2 paused (SIGSTOP, its heartbeats stopped too)
     for 6 s after its third round. In both the others land rounds without group 2 once the grace
     window has passed, and group 2's inner steps all count in its next round
-    (:func:`check_late_group`). The stress tier adds a run without stalls beside them: its steps
+    (:func:`check_late_group`). The measured tier (``-m measured``) adds a run without stalls beside them: its steps
     all count too, and the others keep 0.9 of its rate in the late runs."""
     baseline, stalled, paused = tmp_path / "baseline", tmp_path / "stalled", tmp_path / "paused"
     processes = [launch(stalled, *LATE, "--stall", "2:40:8"), launch(paused, *LATE)]

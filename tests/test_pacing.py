@@ -55,10 +55,10 @@ def job(out: Path, *args: str, netns_name: str | None = None, timeout: float = 1
     return records
 
 
-@pytest.fixture(params=[pytest.param("10mbit", marks=[pytest.mark.stress, pytest.mark.measured]), "40mbit"])
+@pytest.fixture(params=[pytest.param("10mbit", marks=pytest.mark.measured), "40mbit"])
 def slow_link(request):
     """A network namespace whose loopback carries 10 or 40 Mbit/s (skipped where one cannot be made;
-    the fast tier runs 40, the stress tier 10 too)."""
+    the fast tier runs 40, the measured tier, ``-m measured``, 10 too)."""
     try:
         netns.check_requirements()
         with netns.namespace(request.param) as name:
@@ -119,10 +119,10 @@ def sleepy_rank(options: dict, budget: int, sleep: list[float], reported: bool =
             "logged": [m for m in logged if "speed pacing" in m]}
 
 
-@pytest.mark.parametrize("reported", [True, pytest.param(False, marks=[pytest.mark.stress, pytest.mark.measured])])
+@pytest.mark.parametrize("reported", [True, pytest.param(False, marks=pytest.mark.measured)])
 def test_a_slow_replica_is_paced_and_rank_0_warns_once(ranks, reported) -> None:
     """Replica 1 three times slower (30 ms a step against 10, reported as such; measured in the
-    stress tier): the first round in lockstep (nothing measured), then, a gap past twice the band
+    measured tier, ``-m measured``): the first round in lockstep (nothing measured), then, a gap past twice the band
     in one report, the fast replica takes sync_every and the slow one a third (measured on
     loaded cores: up to 5 of 8); rank 0 warns once (the warning and the acco logger), naming the
     plan and the fix; rank 1 says nothing."""
@@ -140,10 +140,10 @@ def test_a_slow_replica_is_paced_and_rank_0_warns_once(ranks, reported) -> None:
     assert not results[1]["warnings"] and not results[1]["logged"]
 
 
-@pytest.mark.parametrize("bits, reported", [(32, True), (4, True), pytest.param(32, False, marks=[pytest.mark.stress, pytest.mark.measured])])
+@pytest.mark.parametrize("bits, reported", [(32, True), (4, True), pytest.param(32, False, marks=pytest.mark.measured)])
 def test_equal_replicas_are_the_lockstep_run_bit_for_bit(ranks, bits, reported) -> None:
     """Default pacing, equal replicas (10 ms a step each, reported as such; measured in the
-    stress tier: a step of this test's model alone takes about a millisecond, and on a machine
+    measured tier, ``-m measured``: a step of this test's model alone takes about a millisecond, and on a machine
     loaded far past its cores the two ranks' shares can differ by more than the band): every
     plan sync_every each, no warning, and the model bit for bit the lockstep run's, at 32 and
     at 4 bits, finish()'s partial round too."""

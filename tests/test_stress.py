@@ -34,7 +34,12 @@ def run_and_check(tmp_path: Path, scenario: str, parallel: int, extra: tuple[str
     import elastic_stress
 
     lines: list[str] = []
-    results = elastic_stress.run_scenario(scenario, RUNS, tmp_path, extra, parallel, report=lines.append)
+
+    def report(line: str) -> None:  # as each run ends (pytest shows it if the test fails, a timeout too)
+        print(line, flush=True)
+        lines.append(line)
+
+    results = elastic_stress.run_scenario(scenario, RUNS, tmp_path, extra, parallel, report=report)
     assert len(results) == RUNS
     assert all(elastic_stress.passed(result) for result in results), "\n".join(lines)
 
