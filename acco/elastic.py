@@ -27,8 +27,8 @@ quorum's id, which no other round shares), kept in checkpoints.
 
 No group holds a round past the *grace window*: the lighthouse issues a quorum once a minimum
 quorum has asked (and its join timeout has passed), and while a group of the participants'
-last few rounds is missing the participants ask again until the window (adaptive: a few times the
-measured spread of hand-over times; or fixed) has passed. A group left out (alive but late: a
+last few rounds is missing the participants ask again until the window (adaptive: a few times
+the measured spread of hand-over times; or fixed) has passed. A group left out (alive but late: a
 stall, a paused process, a loaded machine) keeps training, and at its next round its global
 values are behind: torchft heals it by step count, or, where its step count equals the others'
 (a round torchft committed that it dropped), the round's first exchange shows its lineage
@@ -130,9 +130,9 @@ class TorchFT:
             (restarting, or gone for good) before the groups present end without it (default:
             the quorum timeout).
         grace: how long a round waits, from its first quorum, for a group of the participants'
-            last few rounds (:attr:`ElasticRunner.grace_memory`) that has not handed over yet: ``"adaptive"`` (the default: a few times
-            the measured spread of hand-over times, :attr:`ElasticRunner.grace_factor`) or a
-            number of seconds. A group later than that is left out of the round and keeps its
+            last few rounds (:attr:`ElasticRunner.grace_memory`) that has not handed over yet:
+            ``"adaptive"`` (the default: a few times the measured spread of hand-over times,
+            :attr:`ElasticRunner.grace_factor`) or a number of seconds. A group later than that is left out of the round and keeps its
             progress: its inner steps count in its next round.
 
     Example::
