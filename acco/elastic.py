@@ -623,7 +623,7 @@ class ElasticRunner(OuterRunner):
         missing = quorum.replicas < max(row[10] for row in rows)
         if missing and max(row[12] for row in rows) < max(row[13] for row in rows):
             return 0, None, [], 0.0, True  # type: ignore[return-value]
-        self._seen.update((int(row[15]), quorum.step) for row in rows)
+        self._saw(quorum, [int(row[15]) for row in rows])
         # How much later than the median participant the last one handed over (a group back from
         # a stall, which asked long before the others, leaves the median where it is).
         waited = [row[11] for row in rows]
@@ -654,6 +654,10 @@ class ElasticRunner(OuterRunner):
         if failed is not None:
             raise failed
         return nonfinite, report, peers, spread, waits
+
+    def _saw(self, quorum: Quorum, groups: Sequence[int]) -> None:
+        """``groups`` (their :attr:`TorchFT.group_id`) took part in ``quorum``'s round with this one."""
+        self._seen.update((group, quorum.step) for group in groups)
 
     def _expected(self, quorum: Quorum) -> int:
         """How many groups were in a round with this one within the last :attr:`grace_memory`

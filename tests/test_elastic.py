@@ -193,6 +193,37 @@ def test_an_invalid_grace_window_is_refused_before_anything_connects(grace) -> N
         TorchFT(object(), None, grace=grace)
 
 
+def test_a_round_waits_for_every_group_of_the_last_three_rounds() -> None:
+    """The grace window's memory (docs/elastic.md, "Rounds that rotate"): a group left out of a
+    round is early for the next, where it pairs with the first of the others to ask. A round
+    must then wait for the third, though every participant's last round had two groups (the
+    rule before: it did not, and 3 groups met in pairs for good). A group gone for good is
+    waited for in the three rounds after its last one, then no more."""
+    from acco.elastic import ElasticRunner, Quorum, TorchFT
+
+    a, b, c = (TorchFT(object(), None).group_id for _ in range(3))
+    assert len({a, b, c}) == 3 and max(a, b, c) < 2**53  # exact in the exchange's float64
+    view = {group: object.__new__(ElasticRunner) for group in (a, b, c)}  # each group's own record
+    for runner in view.values():
+        runner._seen = {}
+
+    def round_(step: int, *groups: int) -> int:
+        """``groups`` land the round at torchft step ``step``; the most groups any of them expects."""
+        quorum = Quorum(None, 0, len(groups), False, step)  # type: ignore[arg-type]
+        expected = max(view[g]._expected(quorum) for g in groups)
+        for g in groups:
+            view[g]._saw(quorum, groups)
+        return expected
+
+    assert round_(0, a, b, c) == 0  # the first round: nothing seen yet
+    assert round_(1, a, b) == 3  # c late: the round waits for it (the window), then lands without it
+    assert round_(2, c, a) == 3  # c, early, pairs with a: they wait for b
+    assert round_(3, b, c) == 3
+    assert round_(4, a, b, c) == 3
+    # c gone for good after step 4: waited for at steps 5, 6 and 7, not at 8
+    assert [round_(step, a, b) for step in (5, 6, 7, 8)] == [3, 3, 3, 2]
+
+
 def test_groups_laid_out_differently_raise_naming_it() -> None:
     """Two groups whose models differ: at the join torchft heals one from the other (its first
     step), which refuses the peer's state naming the cause; the other group then waits for a
