@@ -132,8 +132,9 @@ class TorchFT:
         grace: how long a round waits, from its first quorum, for a group of the participants'
             last few rounds (:attr:`ElasticRunner.grace_memory`) that has not handed over yet:
             ``"adaptive"`` (the default: a few times the measured spread of hand-over times,
-            :attr:`ElasticRunner.grace_factor`) or a number of seconds. A group later than that is left out of the round and keeps its
-            progress: its inner steps count in its next round.
+            :attr:`ElasticRunner.grace_factor`) or a number of seconds. A group later than that
+            is left out of the round and keeps its progress: its inner steps count in its next
+            round.
 
     Example::
 
