@@ -135,6 +135,10 @@ class TorchFT:
             :attr:`ElasticRunner.grace_factor`) or a number of seconds. A group later than that
             is left out of the round and keeps its progress: its inner steps count in its next
             round.
+        replica_id: the name the Manager was given (:meth:`connect` passes it): the group's
+            identity in the grace window's memory across rounds and restarts. Without it each
+            process is a new group, so a restarted group's peers wait for its old identity in
+            the rounds :attr:`ElasticRunner.grace_memory` spans.
 
     Example::
 
@@ -144,7 +148,8 @@ class TorchFT:
 
     def __init__(self, manager: Any, process_group: Any, *, start_with: int = 1, must_heal: bool = False,
                  collective_timeout: datetime.timedelta = datetime.timedelta(seconds=30),
-                 finish_timeout: datetime.timedelta | None = None, grace: float | str = "adaptive") -> None:  # fmt: skip
+                 finish_timeout: datetime.timedelta | None = None, grace: float | str = "adaptive",
+                 replica_id: str | None = None) -> None:  # fmt: skip
         if grace != "adaptive" and (isinstance(grace, bool) or not isinstance(grace, (int, float))
                                     or not 0 <= grace < float("inf")):
             raise ValueError(f"Invalid grace: {grace!r} (\"adaptive\" or seconds: finite, >= 0)")
@@ -161,7 +166,7 @@ class TorchFT:
         self.grace = grace
         # This replica group's identity across rounds and restarts: its replica id as the
         # Manager was given it (torchft adds a fresh uuid per process), exact in float64.
-        name = getattr(manager, "_replica_id", None) or f"anonymous:{id(self)}:{time.time_ns()}"
+        name = replica_id if replica_id is not None else f"anonymous:{id(self)}:{time.time_ns()}"
         self.group_id = int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=6).digest(), "little")
         self._healed = threading.Event()
         self._first = True
@@ -230,7 +235,7 @@ class TorchFT:
             connect_timeout=timeout, heartbeat_interval=heartbeat_interval,
         )  # fmt: skip
         membership = cls(manager, group, start_with=start_with, must_heal=must_heal, collective_timeout=timeout,
-                         finish_timeout=finish_timeout, grace=grace)  # fmt: skip
+                         finish_timeout=finish_timeout, grace=grace, replica_id=replica_id)  # fmt: skip
         membership.quorum_timeout = quorum_timeout
         membership._owned = [manager] + ([store] if store is not None else [])
         return membership

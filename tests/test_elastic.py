@@ -201,8 +201,10 @@ def test_a_round_waits_for_every_group_of_the_last_three_rounds() -> None:
     waited for in the three rounds after its last one, then no more."""
     from acco.elastic import ElasticRunner, Quorum, TorchFT
 
-    a, b, c = (TorchFT(object(), None).group_id for _ in range(3))
+    a, b, c = (TorchFT(object(), None, replica_id=f"replica-{i}").group_id for i in range(3))
     assert len({a, b, c}) == 3 and max(a, b, c) < 2**53  # exact in the exchange's float64
+    assert TorchFT(object(), None, replica_id="replica-0").group_id == a  # the same group after a restart
+    assert TorchFT(object(), None).group_id != TorchFT(object(), None).group_id  # unnamed: a new group each time
     view = {group: object.__new__(ElasticRunner) for group in (a, b, c)}  # each group's own record
     for runner in view.values():
         runner._seen = {}
