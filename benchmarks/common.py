@@ -1055,7 +1055,14 @@ def minutes(seconds: float) -> str:
 
 
 def rate_text(rate: str) -> str:
-    """``377502045bit`` as ``378 Mbit/s``; other spellings as they are."""
+    """``377502045bit`` as ``378 Mbit/s``, ``20mbit`` as ``20 Mbit/s``; a schedule
+    (benchmarks/netns.py) ``500mbit:15,20mbit`` as ``500 Mbit/s for 15 s, then 20 Mbit/s``;
+    other spellings as they are."""
+    if "," in rate:
+        phases = [phase.partition(":") for phase in rate.split(",")]
+        return ", then ".join(rate_text(r) + (f" for {s} s" if s else "") for r, _, s in phases)
+    if rate.endswith("mbit") and rate[:-4].replace(".", "", 1).isdigit():
+        return f"{float(rate[:-4]):g} Mbit/s"
     if rate.endswith("bit") and rate[:-3].isdigit():
         return f"{int(rate[:-3]) / 1e6:.0f} Mbit/s"
     return rate

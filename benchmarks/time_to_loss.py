@@ -8,6 +8,8 @@ communication takes as long as one round of compute and at three times that.
     sudo $(which python) benchmarks/time_to_loss.py --slowdown 1:3 --rates 425mbit --budget 20   # rank 1 3x slower
     sudo $(which python) benchmarks/time_to_loss.py --methods local-h16-b4 --links comm~compute --rates 50mbit \
         --seeds 1337 --local-stop broadcast --cpu-hogs 1    # a per-step collective, beside a busy process
+    sudo $(which python) benchmarks/time_to_loss.py --methods local-h8-d0 local-h30-d0 --links comm~compute \
+        --rates 500mbit:15,20mbit --budget 45 --seeds 1337   # a link that slows from 500 to 20 Mbit/s after 15 s
 
 DiLoCo runs through torchft (``pip install -e '.[bench]'``). How it measures: benchmarks/README.md.
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import netns
 import throughput
 import common
 from examples.train_gpt import Dist, eval_batches, evaluate, parse_slowdown
@@ -57,7 +60,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("--links", nargs="+", default=None, choices=LINKS,
         help=f"networks to run on (default: {' '.join(RATE_LABELS)}; with --slowdown: {UNLIMITED} comm~compute)")
     add("--rates", nargs="+", default=None, metavar="RATE",
-        help="tc rates for the rate-limited --links, in their order (e.g. 440mbit 140mbit): skips calibration")
+        help="tc rates for the rate-limited --links, in their order (e.g. 440mbit 140mbit): skips calibration; a "
+             "rate may be a schedule, e.g. 500mbit:15,20mbit (benchmarks/netns.py), started again at each method")
     add("--methods", nargs="+", default=None, type=common.method_name, metavar="METHOD",
         help=f"default: {', '.join(TTL_METHODS)}; with --slowdown: {', '.join(MIXED_METHODS)}; any diloco-hN")
     add("--slowdown", default=None, metavar="RANK:FACTOR",
@@ -107,6 +111,11 @@ def check(args: argparse.Namespace) -> str | None:
     limited = [link for link in args.links if link != UNLIMITED]
     if args.budget <= 0 or args.eval_every <= 0:
         return f"--budget and --eval-every must be positive, got {args.budget} and {args.eval_every}"
+    for rate in args.rates or []:
+        try:
+            netns.parse_rates(rate)
+        except ValueError as error:
+            return f"--rates: {error}"
     if args.rates is not None and len(args.rates) != len(limited):
         return f"--rates takes one rate per rate-limited link ({', '.join(limited) or 'none'}), got {args.rates}"
     if args.slow is not None and not 0 <= args.slow[0] < args.ranks:
@@ -188,6 +197,15 @@ def follow_batch(method: common.AccoMethod, args: argparse.Namespace, scheduler:
         group["lr"] = lr * scale
 
 
+def started_training(name: str) -> None:
+    """Rank 0 marks a method's start for a rate schedule (``--rates 500mbit:15,20mbit``:
+    benchmarks/netns.py starts it again from its first rate at each method)."""
+    path = os.environ.get("ACCO_BENCH_START_FILE")
+    if path and dist.get_rank() == 0:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(f"{name}\n")
+
+
 def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, train_data: torch.Tensor,
                eval_set: list[tuple[torch.Tensor, torch.Tensor]], initial_loss: float) -> dict[str, Any]:
     """Train ``name`` for the budget; its evaluation points and what they cost."""
@@ -208,6 +226,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     setup_s = time.perf_counter() - setup_started
     window = common.Window(args.max_quiet_wait)
     window.open()
+    started_training(name)
     clock = AgreedClock()
     snapshots: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     computed = rounds = counted = 0
