@@ -9,7 +9,8 @@ tensor:
   the replica group (the mean over its ranks, or the sum over a gradient divide factor,
   which :class:`MeshParam` undoes) and tensor parallelism has computed for the local block;
 - its values are written in place into ``p.to_local()``, the tensor FSDP2's next all-gather
-  reads (never rebound);
+  reads (never rebound); a module FSDP2 left unsharded (after a forward with no backward) is
+  resharded before the next forward reads it (:class:`FreshForward`);
 - its share of the global gradient norm counts a dimension it is replicated over once.
 
 :class:`InnerMesh` describes the ranks beside this one: how many ranks of a replica group
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from acco.collectives import Collectives
 
-__all__ = ["InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor", "placeholder_state"]
+__all__ = ["FreshForward", "InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor", "placeholder_state"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -105,6 +106,44 @@ class MeshParam:
             return grad
 
 
+def _fsdp_modules(module: nn.Module | None) -> list[nn.Module]:
+    """The modules ``fully_shard`` made FSDP2 modules in ``module`` (none without FSDP2)."""
+    if module is None or "torch.distributed.fsdp" not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+class FreshForward:
+    """Makes the next forward read what acco wrote into FSDP2's shards.
+
+    FSDP2 keeps a module's unsharded parameters after a forward that no backward followed
+    (the root module's always: its backward would need them at once; any module's after
+    ``set_reshard_after_backward(False)``), and its next forward uses them as they are, not
+    the shards acco writes the new values into (``step()``, ``eval()``, ``train()``, a load):
+    an evaluation, then training, would train the root's parameters at the evaluated values
+    for a step. A forward pre-hook on the model, ahead of FSDP2's own, gives the unsharded
+    parameters up whenever a shard changed since the last forward (each local tensor's version
+    counter, which every in-place write moves), so FSDP2 all-gathers the values acco wrote.
+    """
+
+    def __init__(self, module: nn.Module, fsdp_modules: Sequence[nn.Module], shards: Sequence[Tensor]) -> None:
+        self.fsdp_modules, self.shards = list(fsdp_modules), list(shards)
+        self.versions = self._versions()
+        self.handle = module.register_forward_pre_hook(self, prepend=True)
+
+    def _versions(self) -> list[int]:
+        return [shard._version for shard in self.shards]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        versions = self._versions()
+        if versions != self.versions:
+            for fsdp_module in self.fsdp_modules:
+                fsdp_module.reshard()  # type: ignore[operator]  # a no-op where already sharded
+            self.versions = versions
+
+
 def _fsdp_groups(module: nn.Module | None) -> dict[int, Any]:
     """The FSDP2 param group of each parameter ``fully_shard`` manages in ``module``, by id."""
     if module is None:
@@ -139,6 +178,7 @@ class InnerMesh:
     def __init__(self, params: Iterable[Tensor], module: nn.Module | None, comm: Collectives) -> None:
         fsdp = _fsdp_groups(module)
         self.params: dict[int, MeshParam] = {}
+        sharded: list[Tensor] = []  # the local tensors of the parameters FSDP2 shards
         inner: set[int] = set()
         for param in params:
             if not is_dtensor(param):
@@ -151,6 +191,8 @@ class InnerMesh:
                     "fully_shard(m, mesh=mesh['shard']), and pass acco process_group=mesh['replicate'].get_group()"
                 )
             self.params[id(param)] = MeshParam(param, group)
+            if group is not None:
+                sharded.append(local_tensor(param))
             inner.update(int(r) for r in param.device_mesh.mesh.flatten().tolist())
         self.active = bool(self.params)
         acco_ranks = comm.group_ranks()
@@ -166,6 +208,9 @@ class InnerMesh:
         self.replica_ranks = sorted(inner) if inner else [comm.global_rank()]
         self.replica_size = len(self.replica_ranks)
         self.ranks: list[int] = []
+        fsdp_modules = _fsdp_modules(module)
+        self.fresh_forward = FreshForward(module, fsdp_modules, sharded) if module is not None and sharded and \
+            fsdp_modules else None
 
     def check(self, param_groups: Sequence[dict[str, Any]], param_dtype: torch.dtype | None) -> None:
         """``ValueError`` for what acco cannot do exactly on DTensor parameters (before any

@@ -668,7 +668,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         "Buffers and memory"): ``grad_accumulator``, ``grad_handover``, ``gathered``,
         ``master``, ``master_grad``, ``estimate_copy``; a view of another buffer counts 0.
         ``mode="local"`` adds ``handed_over`` (the parameters the round in flight was handed,
-        with ``overlap="keep"``); ``master`` is the snapshot's shard there."""
+        with ``overlap="keep"``; the replica's start with ``"estimate"``; a blocking round that a
+        paced replica lands late), ``global_values`` (the last landed round's, whole),
+        ``outer_residual`` (error feedback below 16 bits) and ``common_term`` (``"estimate"``);
+        ``master`` is the global values' shard there (:meth:`acco.local.LocalLoop.buffer_bytes`)."""
         return self._loop.buffer_bytes()
 
     @property

@@ -403,6 +403,50 @@ def test_ready_loop_light_estimate_and_a_skipped_nan_on_a_mesh(ranks) -> None:
     assert all(torch.isfinite(v).all() for v in results[0]["params"].values())
 
 
+def fresh_forward_rank() -> dict:
+    """After eval() (a forward with no backward: FSDP2 keeps the root's parameters unsharded)
+    and train(), the next forward must read the live values acco put back into the shards,
+    in every mode. The root module holds parameters of its own (layer 2 is not wrapped)."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    fresh = {}
+    for mode in ("acco", "local"):
+        model = make_model(hidden=7)
+        fully_shard(model[0], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])  # layer 2's parameters: the root's
+        cls, hp = OPTIMIZERS["adamw"]
+        opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode=mode, timeout=TIMEOUT,
+                            **({"sync_every": 2} if mode == "local" else {}), **hp)
+        x, _ = micro_batch(0, rank, 0)
+        same = []
+        for r in range(4):
+            for n in range(2):
+                loss_fn(model, *micro_batch(r, rank, n)).backward()
+                opt.accumulate()
+            opt.step()
+            opt.eval()
+            with torch.no_grad():
+                model(x)
+            opt.train()
+            with torch.no_grad():
+                seen = model(x)
+                for module in model.modules():  # what an all-gather of the shards gives
+                    if hasattr(module, "reshard"):
+                        module.reshard()
+                same.append(torch.equal(seen, model(x)))
+        opt.finish()
+        fresh[mode] = same
+    return fresh
+
+
+def test_the_forward_after_eval_and_train_reads_the_live_values(ranks) -> None:
+    """FSDP2 keeps a module's parameters unsharded after a forward that no backward followed;
+    acco writes into the shards, so without a reshard the next forward would read the
+    evaluated values (acco.mesh.FreshForward)."""
+    for fresh in ranks(4).run(fresh_forward_rank):
+        assert fresh == {"acco": [True] * 4, "local": [True] * 4}, fresh
+
+
 def ready_loop_rank() -> dict:
     """The ready() loop with replica group 1 slower: the groups fold different numbers of
     micro-batches each round; what each rank folded is returned for the reference."""
