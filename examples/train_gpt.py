@@ -499,10 +499,9 @@ class Progress:
 
 def most_in_flight(opt: AccoOptimizer) -> int:
     """mode="local": the inner updates past ``--updates`` a replica may take while the last
-    round is in flight (``sync_delay``, as ``repr(opt)`` states it resolved)."""
-    resolved = dict(line.strip().split(": ", 1) for line in repr(opt).splitlines() if ": " in line)
-    delay, every = resolved.get("sync_delay", "0"), int(resolved.get("sync_every", "0"))
-    return every if delay == "auto" else int(delay)
+    round is in flight (``sync_delay`` resolved: ``"auto"`` lands within ``sync_every``)."""
+    local = opt.options.local
+    return local.sync_every if local.sync_delay == "auto" else local.sync_delay
 
 
 def gathered_updates(opt: AccoOptimizer, ctx: Dist) -> list[float]:
