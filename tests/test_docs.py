@@ -285,6 +285,68 @@ def test_no_default_is_stated_outside_the_table() -> None:
                        "or say they are history):\n" + "\n".join(stray))
 
 
+# ----------------------------------------------------------------------------- keywords
+
+
+def calls(text: str, name: str) -> Iterator[str]:
+    """Each ``name(...)`` call in ``text``, its parentheses balanced (``...`` placeholders
+    kept: they parse as Python's Ellipsis)."""
+    for found in re.finditer(rf"(?<![\w.]){re.escape(name)}\(", text):
+        depth, end = 0, found.end() - 1
+        for end in range(found.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        yield text[found.start():end + 1]
+
+
+def keywords_of(call: str) -> tuple[list[str], str | None] | None:
+    """The keywords a documented call passes, and its second positional argument's dotted name
+    (an optimizer class); None where the text does not parse as one call."""
+    import ast
+
+    try:
+        node = ast.parse(" ".join(call.split()), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    second = ast.unparse(node.args[1]) if len(node.args) > 1 else None
+    return [k.arg for k in node.keywords if k.arg is not None], second
+
+
+def test_documented_calls_pass_keywords_that_exist() -> None:
+    """Every ``AccoOptimizer(...)`` in README.md and docs/ passes keywords of its signature or
+    of the optimizer class it names (its ``**defaults``), and every ``TorchFT.connect(...)`` /
+    ``TorchFT(...)`` keywords of theirs."""
+    from acco.elastic import TorchFT
+
+    signatures = {"AccoOptimizer": inspect.signature(acco.AccoOptimizer.__init__).parameters,
+                  "TorchFT.connect": inspect.signature(TorchFT.connect).parameters,
+                  "TorchFT": inspect.signature(TorchFT.__init__).parameters}
+    wrong, checked = [], 0
+    for path in DOCUMENTS:
+        text = path.read_text()
+        for name, accepted in signatures.items():
+            for call in calls(text, name):
+                parsed = keywords_of(call)
+                if parsed is None:
+                    continue
+                checked += 1
+                passed, optimizer = parsed
+                extra: set[str] = set()
+                if name == "AccoOptimizer":  # the optimizer it names, or (elided) torch's usual ones
+                    named = optimizer.split(".")[-1] if optimizer and optimizer.startswith("torch.optim.") else None
+                    for cls in [getattr(torch.optim, named)] if named else [torch.optim.AdamW, torch.optim.SGD]:
+                        extra |= set(inspect.signature(cls.__init__).parameters)
+                unknown = [k for k in passed if k not in accepted and k not in extra]
+                if unknown and not (name == "AccoOptimizer" and optimizer and not optimizer.startswith("torch.optim.")
+                                    and optimizer != "..."):  # a class of the user's: its own keywords
+                    wrong.append(f"{path.relative_to(ROOT)}: {name}(...) passes {unknown}: {' '.join(call.split())[:120]}")
+    assert checked > 15, f"only {checked} documented calls parsed: the pattern or the documents changed"
+    assert not wrong, "\n".join(wrong)
+
+
 # ----------------------------------------------------------------------------- commands
 
 
