@@ -207,7 +207,7 @@ class LocalLoop(Loop):
             if clock.estimates:  # start from the estimate (the last round has landed: its common part is here)
                 estimate = clock.options.estimate
                 # What the steps from the last start undid of its offset leaves the pseudo-gradient.
-                weight = estimate.recovery * clock.offset_steps / clock.options.sync_every
+                weight = estimate.recovery * clock.offset_steps / (clock.offset_every or clock.options.sync_every)
                 with record_function("acco.outer_estimate"):
                     for group, start, common, values, handed in zip(self._groups, clock.handed_over, self.common_terms,
                                                                     self.global_values, params):  # fmt: skip
@@ -215,7 +215,9 @@ class LocalLoop(Loop):
                         group.load_params(start)
             else:
                 torch._foreach_copy_(clock.handed_over, params)
-        round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.next_stats(0, 0.0),
+        stats = self._schedule.next_stats(0, 0.0)
+        stats.sync_every = self.pacing.sync_every
+        round_ = OuterRound(kind=RoundKind.OUTER, stats=stats,
                             buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=self.pacing.hand_over())  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
@@ -329,12 +331,17 @@ class LocalLoop(Loop):
             clock.launched_at = None
             return False
         self.pacing.seat(self.lane_work.replica, self.lane_work.replicas)  # elastic replicas: this round's
+        # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
+        # the wait for the others' hand-overs (none yet on CUDA before the device has passed them).
+        self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase != "totals")
+        every = self.pacing.sync_every  # the landing round's H (the report may choose the next one's)
         self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         clock.late = False
         # "keep"'s landing leaves the start's offset from the new global values in handed_over.
         clock.offset_steps = clock.inner_steps - clock.launched_at if keep else 0
+        clock.offset_every = every
         with record_function("acco.load_params"):
             for number, group in enumerate(self._groups):
                 self.global_values[number].copy_(group.gathered)
@@ -648,6 +655,7 @@ class LocalClock:
         offset_steps: inner steps the replica took from the last landed round's start before
             that landing corrected it (0: not landed with its progress kept); ``handed_over``
             then holds that start's offset from the new global values.
+        offset_every: H of the round that landing was (what the offset's share is of).
         handed_over: per param group, the parameters the round in flight was handed
             (``overlap="keep"`` with a delay, or a blocking round that lands late: what the
             landing subtracts), or None.
@@ -665,6 +673,7 @@ class LocalClock:
     skipped_outer_rounds: int = 0
     handed_over: list[Tensor] | None = field(default=None, repr=False)
     offset_steps: int = 0
+    offset_every: int = 0
     late: bool = False
     late_since: float = 0.0
 
@@ -716,6 +725,7 @@ class LocalClock:
             "outer_rounds": self.outer_rounds,
             "skipped_outer_rounds": self.skipped_outer_rounds,
             "offset_steps": self.offset_steps,
+            "offset_every": self.offset_every,
             "late": self.late,
             **self.pacing.state_dict(),
         }
@@ -725,6 +735,7 @@ class LocalClock:
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
         self.offset_steps = int(saved.get("offset_steps", 0))
+        self.offset_every = int(saved.get("offset_every", 0))
         self.late, self.late_since = bool(saved.get("late", False)), time.perf_counter()
         since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
         self.pacing.load_state_dict(saved, since, flight_report)

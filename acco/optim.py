@@ -170,7 +170,10 @@ class AccoOptimizer(torch.optim.Optimizer):
             ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` or None (left alone);
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
-        sync_every: ``local`` only: inner steps between outer rounds (default 30).
+        sync_every: ``local`` only: inner steps between outer rounds (default 30); or
+            ``"auto"`` / ``("auto", lo, hi)``: chosen before each round from the measured inner
+            step time and the round's own time (:func:`acco.replicas.plan_sync_every`), the
+            same on every replica, starting at ``lo``.
         sync_delay: ``local`` only: when an outer round lands: 0 (default) at once, blocking
             DiLoCo; ``"auto"`` at the first inner step at which the comm lane has finished it
             (at the latest ``sync_every`` steps after its launch, waiting then if it must: for
@@ -257,7 +260,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         estimate_dtype: torch.dtype | None = None,
         buffers: BufferPolicy | str | None = BufferPolicy.BROADCAST,
         module: nn.Module | None = None,
-        sync_every: int = DEFAULT_SYNC_EVERY,
+        sync_every: int | str | tuple[str, int, int] = DEFAULT_SYNC_EVERY,
         sync_delay: int | str = DEFAULT_SYNC_DELAY,
         outer_optimizer: Any = None,
         overlap: str | None = None,

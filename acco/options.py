@@ -109,6 +109,10 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # (lr 0.7, momentum 0.9; Douillard et al.) was tuned for H in the hundreds.
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
 DEFAULT_SYNC_EVERY = 30
+# sync_every="auto" (acco.replicas.plan_sync_every): H is chosen at each landing from the measured
+# inner step time and the round's own time, within these bounds unless given ("auto", lo, hi). The
+# first round runs the lower bound: measured quickly.
+AUTO_EVERY_BOUNDS = (4, 128)
 
 
 def default_outer(sync_every: int) -> functools.partial:
@@ -174,6 +178,8 @@ class LocalOptions:
         outer_hyperparams: the outer optimizer's lr, momentum, ... as built (``describe()``).
         membership: who takes part in each outer round under failures (an
             :class:`acco.elastic.TorchFT`), or None: every replica of the process group.
+        auto_every: with ``sync_every="auto"``, the bounds (lo, hi) H is chosen in
+            (``sync_every`` is then the first round's, lo); None: a fixed ``sync_every``.
     """
 
     sync_every: int
@@ -188,13 +194,15 @@ class LocalOptions:
     outer_weighting: Weighting = Weighting.TOKENS
     outer_hyperparams: tuple[tuple[str, Any], ...] = ()
     membership: Any = None
+    auto_every: tuple[int, int] | None = None
 
     def describe(self) -> list[str]:
         """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
         at construction)."""
         outer = ", ".join(f"{name}={value}" for name, value in self.outer_hyperparams)
         return [
-            f"sync_every: {self.sync_every}",
+            f"sync_every: {self.sync_every}" if self.auto_every is None else
+            f"sync_every: auto ({self.auto_every[0]}-{self.auto_every[1]}, from {self.sync_every})",
             f"sync_delay: {self.sync_delay}",
             f"overlap: {self.overlap.value}",
             f"outer_optimizer: {self.outer_class.__name__}({outer})",
@@ -235,10 +243,11 @@ class LocalOptions:
         has set them aside); ``ValueError`` / ``TypeError`` naming a bad value."""
         if mode is not Mode.LOCAL:
             return None
-        every = DEFAULT_SYNC_EVERY if sync_every is None else sync_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Invalid sync_every: {sync_every!r} (an int >= 1: inner steps per outer round)")
+        every, auto_every = _check_sync_every(DEFAULT_SYNC_EVERY if sync_every is None else sync_every)
         delay = DEFAULT_SYNC_DELAY if sync_delay is None else sync_delay
+        if auto_every is not None and delay not in (0, AUTO):
+            raise ValueError(f"Invalid sync_delay with sync_every='auto': {sync_delay!r} (0 or \"auto\": a fixed "
+                             "number of steps in flight would not follow H)")  # fmt: skip
         if delay == HALF:
             delay = every // 2
         if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every):
@@ -282,13 +291,34 @@ class LocalOptions:
         if not isinstance(outer_error_feedback, bool):
             raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
         paced = _check_pacing(DEFAULT_PACING if pacing is None else pacing, every, delay)
+        if auto_every is not None and isinstance(paced, tuple):
+            raise ValueError(f"Invalid pacing with sync_every='auto': {pacing!r} (\"speed\" or \"lockstep\": a fixed "
+                             "schedule per replica would not follow H)")  # fmt: skip
+        if auto_every is not None and membership is not None:
+            raise ValueError("sync_every='auto' with membership= is not supported yet: elastic rounds take a fixed "
+                             "sync_every")  # fmt: skip
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
         if membership is not None:
             _check_membership(membership, delay, paced, int(outer_bits), type(probe))
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
-                   weighting, shown, membership)  # fmt: skip
+                   weighting, shown, membership, auto_every)  # fmt: skip
+
+
+def _check_sync_every(sync_every: Any) -> tuple[int, tuple[int, int] | None]:
+    """An int >= 1 (fixed H), ``"auto"`` or ``("auto", lo, hi)``: (the first round's H, the
+    bounds or None)."""
+    if sync_every == AUTO:
+        return AUTO_EVERY_BOUNDS[0], AUTO_EVERY_BOUNDS
+    if isinstance(sync_every, (tuple, list)) and len(sync_every) == 3 and sync_every[0] == AUTO:
+        lo, hi = sync_every[1], sync_every[2]
+        if all(isinstance(b, int) and not isinstance(b, bool) for b in (lo, hi)) and 1 <= lo <= hi:
+            return lo, (lo, hi)
+    elif not isinstance(sync_every, bool) and isinstance(sync_every, int) and sync_every >= 1:
+        return sync_every, None
+    raise ValueError(f"Invalid sync_every: {sync_every!r} (an int >= 1: inner steps per outer round; \"auto\", or "
+                     "(\"auto\", lo, hi) with 1 <= lo <= hi: chosen from the link and the step time)")
 
 
 def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int, outer_class: type) -> None:
@@ -429,7 +459,7 @@ class Options:
 
     def fingerprint(self) -> str:
         """What every rank must have chosen alike, as text (checked at start-up)."""
-        local = self.local and (self.local.sync_every, self.local.sync_delay, self.local.overlap.value,
+        local = self.local and (self.local.sync_every, self.local.auto_every, self.local.sync_delay, self.local.overlap.value,
                                 self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback,
                                 self.local.pacing, self.local.outer_weighting.value)  # fmt: skip
         return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])

@@ -291,7 +291,7 @@ class FixedRunner(OuterRunner):
         return self._seating
 
     # The exchange's entries per rank of the mesh: its replica, then its hand-over's fields.
-    _FIELDS = 6
+    _FIELDS = 7
 
     def _exchange(self, seating: Seating, round_: OuterRound) -> tuple[int, ReplicaReport]:
         """One all-reduce over the mesh: how many ranks hand over NaN or inf, and every
@@ -304,7 +304,8 @@ class FixedRunner(OuterRunner):
             flags = torch.zeros(1 + self._FIELDS * ranks, dtype=torch.float64, device=params[0].device)
             start = 1 + self._FIELDS * self._mesh_comm.rank
             flags[start : start + self._FIELDS] = torch.tensor(
-                [self.replica, own.steps, own.weight, own.step_seconds, own.stop, own.finishing], dtype=torch.float64)
+                [self.replica, own.steps, own.weight, own.step_seconds, own.stop, own.finishing, own.round_seconds],
+                dtype=torch.float64)
             flags[0] = self._nonfinite_flag(params)
             self._mesh_comm.all_reduce_sum_(flags)
             values = self._device_hooks.host_copy(flags)(self._options.timeout.total_seconds()).tolist()

@@ -20,6 +20,8 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
   it goes on taking inner steps, and the round lands when it completes, so a loop's own
   collective at every step never waits in a circle; a round the others never hand over to raises
   :class:`PacingStall`.
+- **How often** (``sync_every="auto"``): H for the next round, chosen at each landing by
+  :func:`plan_sync_every` from the report's paces and the round times the replicas measured.
 - **Stopping together**: a replica's stop request travels in its next hand-over; once that
   round has landed every replica's ``should_stop`` is True, at the same round. A replica that
   calls ``finish()`` while the others train ends the run the same way.
@@ -44,8 +46,9 @@ import torch.distributed as dist
 
 from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
 
-__all__ = ["APART_REPORTS", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS", "PATIENCE_SECONDS", "Pacing", "PacingStall",
-           "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE", "block_median", "pace_window"]
+__all__ = ["APART_REPORTS", "AUTO_HYSTERESIS", "AUTO_SHARE", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
+           "PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
+           "block_median", "pace_window", "plan_sync_every"]
 
 _log = logging.getLogger("acco")
 
@@ -78,6 +81,28 @@ PATIENCE_ROUNDS = 0.25
 PATIENCE_SECONDS = 0.05
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
+# sync_every="auto": a blocking round may cost at most AUTO_SHARE of its H inner steps' compute
+# (the replicas wait for it); a round in flight (sync_delay="auto") must fit behind its H steps.
+# H moves only when the choice leaves [H / AUTO_HYSTERESIS, H * AUTO_HYSTERESIS]: noise in the
+# measures does not make it flap.
+AUTO_SHARE = 0.05
+AUTO_HYSTERESIS = 1.25
+
+
+def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, round_seconds: float,
+                    blocking: bool) -> int:
+    """The next round's H for ``sync_every="auto"``: the smallest H in ``bounds`` whose round
+    (``round_seconds``: its own transfer and reduction, no wait for the others' hand-overs)
+    costs at most :data:`AUTO_SHARE` of H inner steps of ``step_seconds`` when it blocks, or
+    fits behind them when it lands in flight; ``current`` while either measure is missing or
+    the choice is within :data:`AUTO_HYSTERESIS` of it."""
+    if not step_seconds > 0 or not round_seconds > 0:
+        return current
+    steps = round_seconds / step_seconds / (AUTO_SHARE if blocking else 1.0)
+    chosen = min(max(math.ceil(steps - 1e-9), bounds[0]), bounds[1])  # (no step for a rounding error)
+    if current / AUTO_HYSTERESIS <= chosen <= current * AUTO_HYSTERESIS:
+        return current
+    return chosen
 
 
 def pace_window(sync_every: int) -> int:
@@ -115,6 +140,8 @@ class HandOver:
         step_seconds: its seconds per inner step (:meth:`Pacing.pace`; 0: not measured).
         stop: it asks every replica to stop (``request_stop()``) at this round.
         finishing: the round is its last (``finish()``).
+        round_seconds: the last round it landed, as its comm lane timed it: transfer and
+            reduction, the wait for the others' hand-overs left out (0: none measured).
     """
 
     steps: int
@@ -122,14 +149,17 @@ class HandOver:
     step_seconds: float
     stop: bool = False
     finishing: bool = False
+    round_seconds: float = 0.0
 
     @classmethod
     def of_ranks(cls, entries: Sequence[Sequence[float]]) -> HandOver:
         """A replica group's hand-over from each of its ranks' ``[steps, weight, step_seconds,
-        stop, finishing]`` (rank order): its first rank's steps and weight (its ranks pass the
-        same), its slowest rank's seconds per step, a stop or a finish any rank asks for."""
+        stop, finishing, round_seconds]`` (rank order): its first rank's steps and weight (its
+        ranks pass the same), its slowest rank's seconds per step and per round, a stop or a
+        finish any rank asks for."""
         return cls(int(entries[0][0]), entries[0][1], max(entry[2] for entry in entries),
-                   any(entry[3] for entry in entries), any(entry[4] for entry in entries))  # fmt: skip
+                   any(entry[3] for entry in entries), any(entry[4] for entry in entries),
+                   max((entry[5] for entry in entries if len(entry) > 5), default=0.0))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -142,13 +172,14 @@ class ReplicaReport:
     step_seconds: tuple[float, ...]
     stop: tuple[bool, ...]
     finishing: tuple[bool, ...]
+    round_seconds: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, hand_overs: Sequence[HandOver]) -> ReplicaReport:
         """The report of these hand-overs, in replica order."""
         return cls(tuple(h.steps for h in hand_overs), tuple(h.weight for h in hand_overs),
                    tuple(h.step_seconds for h in hand_overs), tuple(h.stop for h in hand_overs),
-                   tuple(h.finishing for h in hand_overs))  # fmt: skip
+                   tuple(h.finishing for h in hand_overs), tuple(h.round_seconds for h in hand_overs))  # fmt: skip
 
     def factors(self, weighting: Weighting) -> list[float] | None:
         """Each replica's pseudo-gradient's factor in the mean over replicas (they sum to the
@@ -169,11 +200,13 @@ class ReplicaReport:
 
     def as_dict(self) -> dict[str, list]:
         return {"steps": list(self.steps), "weights": list(self.weights), "step_seconds": list(self.step_seconds),
-                "stop": list(self.stop), "finishing": list(self.finishing)}  # fmt: skip
+                "stop": list(self.stop), "finishing": list(self.finishing),
+                "round_seconds": list(self.round_seconds)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, saved: dict[str, list]) -> ReplicaReport:
-        return cls(*(tuple(saved[name]) for name in ("steps", "weights", "step_seconds", "stop", "finishing")))
+        return cls(*(tuple(saved[name]) for name in ("steps", "weights", "step_seconds", "stop", "finishing")),
+                   tuple(saved.get("round_seconds", ())))  # (saved before round times were reported: none)
 
 
 @dataclass
@@ -210,9 +243,19 @@ class Pacing:
             round has none of its own).
         stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps of the fastest; a
             deadline on ``time.perf_counter()``), None: none.
+        sync_every: H, the fastest replica's inner steps per round: ``options.sync_every``, or
+            with ``sync_every="auto"`` the last landed report's choice (:func:`plan_sync_every`).
+        round_seconds: the last round this replica landed, its comm lane's own time (what its
+            next hand-over reports).
+        next_every: the H a landed report chose, taken at the next launch (a round may land
+            mid-way through the steps of the next, at a different step on each replica: the
+            steps a launch covers keep the H they started with, on every replica alike).
     """
 
     options: LocalOptions
+    sync_every: int = 0
+    round_seconds: float = 0.0
+    next_every: int = 0
     replica: int = 0
     replicas: int = 1
     plan: list[int] = field(default_factory=list)
@@ -247,6 +290,8 @@ class Pacing:
     waited_in_step: float = 0.0
 
     def __post_init__(self) -> None:
+        self.sync_every = self.sync_every or self.options.sync_every
+        self.next_every = self.next_every or self.sync_every
         if not self.plan:
             self.plan = self.first_plan()
         self.step_times = collections.deque(maxlen=pace_window(self.options.sync_every))
@@ -285,23 +330,28 @@ class Pacing:
         pacing = self.options.pacing
         if isinstance(pacing, tuple):
             return list(pacing)
-        return [self.options.sync_every] * self.replicas
+        return [self.sync_every] * self.replicas
 
     @property
     def target(self) -> int:
         """This replica's inner steps in the current round."""
-        return self.plan[self.replica] if self.replica < len(self.plan) else self.options.sync_every
+        return self.plan[self.replica] if self.replica < len(self.plan) else self.sync_every
+
+    @property
+    def _fixed_lockstep(self) -> bool:
+        """Launches at multiples of a fixed H (a resumed run finds them from the step count)."""
+        return self.lockstep and self.options.auto_every is None
 
     def launches_now(self, inner_steps: int) -> bool:
         """Whether this replica's round launches after ``inner_steps`` inner steps."""
-        if self.lockstep:
-            return inner_steps % self.options.sync_every == 0
+        if self._fixed_lockstep:
+            return inner_steps % self.sync_every == 0
         return self.round_steps >= self.target
 
     def steps_to_launch(self, inner_steps: int) -> int:
         """Inner steps this replica takes before its next launch."""
-        if self.lockstep:
-            return self.options.sync_every - inner_steps % self.options.sync_every
+        if self._fixed_lockstep:
+            return self.sync_every - inner_steps % self.sync_every
         return max(self.target - self.round_steps, 0)
 
     def check_step(self) -> None:
@@ -354,12 +404,17 @@ class Pacing:
         """What the launch now tells the others (its pace: :meth:`pace`); the round's counters
         start again."""
         now = time.perf_counter()
-        report = HandOver(self.round_steps, self.round_weight, self.pace(), self.stop_requested, self.finishing)
+        report = HandOver(self.round_steps, self.round_weight, self.pace(), self.stop_requested, self.finishing,
+                          self.round_seconds)
         if self.timed_steps == self.round_steps and self.timed_steps:
             self.round_walls.append(now - self.busy_since)
         self.round_pace = self.seconds_per_step(now) or self.round_pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
+        if self.next_every != self.sync_every:  # sync_every="auto": the steps from here on take the new H
+            self.sync_every = self.next_every
+            self.plan = [self.sync_every] * len(self.plan) if len(set(self.plan)) == 1 or self.last_report is None \
+                else self.speed_plan(self.last_report)
         return report
 
     def put_back(self, hand_over: HandOver) -> None:
@@ -390,6 +445,13 @@ class Pacing:
         if any(report.finishing) and not self.finishing:
             self.should_stop = True
             self.peer_finished = [r for r, done in enumerate(report.finishing) if done]
+        bounds = self.options.auto_every
+        if bounds is not None:
+            # The fastest replica's pace (it takes H steps), the slowest round time anyone measured.
+            paces = [s for s in report.step_seconds if s > 0]
+            self.next_every = plan_sync_every(self.next_every, bounds, min(paces) if paces else 0.0,
+                                              max(report.round_seconds, default=0.0),
+                                              blocking=self.options.sync_delay == 0)
         if self.options.pacing == SPEED:
             plan = self.speed_plan(report)
             self.gap_reports = self.gap_reports + 1 if len(set(plan)) > 1 else 0
@@ -398,7 +460,7 @@ class Pacing:
             seconds = report.step_seconds
             wide = all(s > 0 for s in seconds) and min(seconds) / max(seconds) < 1.0 - 2 * SPEED_BAND
             if len(set(self.plan)) == 1 and self.gap_reports < APART_REPORTS and not wide:
-                plan = [self.options.sync_every] * len(plan)
+                plan = [self.sync_every] * len(plan)
             self.plan = plan
         if len(set(self.plan)) > 1 and not self.paced_apart:
             self.paced_apart = True
@@ -412,7 +474,7 @@ class Pacing:
         seconds = report.step_seconds
         if len(seconds) != self.replicas or not all(s > 0 for s in seconds):
             return self.plan
-        every, delay = self.options.sync_every, self.options.sync_delay
+        every, delay = self.sync_every, self.options.sync_delay
         least = max(1, delay) if isinstance(delay, int) else 1
         fastest = min(seconds)
         plan = []
@@ -431,7 +493,7 @@ class Pacing:
         paces = ", ".join(f"{1000 * s:.1f}" for s in report.step_seconds)
         message = (
             f"acco: speed pacing gives the replicas different inner steps per outer round from now on: plan "
-            f"{self.plan} (sync_every={self.options.sync_every}; measured ms per inner step: {paces}). A replica "
+            f"{self.plan} (sync_every={self.sync_every}; measured ms per inner step: {paces}). A replica "
             "that hands over first goes on taking inner steps until the round completes, so a collective of the "
             "loop's own at step counts (an all-reduce of the loss, an evaluation's broadcast, a time budget agreed "
             "at every step) still meets the others, but it holds every replica to the slowest one's pace. Run such "
@@ -519,7 +581,7 @@ class Pacing:
         if self.stop_requested or (self.stop_steps is None and self.stop_seconds is None):
             return
         ahead = self.steps_to_launch(inner_steps)
-        if self.stop_steps is not None and inner_steps + ahead + self.options.sync_every > self.stop_steps:
+        if self.stop_steps is not None and inner_steps + ahead + self.sync_every > self.stop_steps:
             self.stop_requested = True
         if self.stop_seconds is None:
             return
@@ -527,7 +589,7 @@ class Pacing:
         per_step = self.pace() or self.seconds_per_step(now) or self.round_pace
         if per_step:
             # (before any whole round: its steps)
-            next_round = statistics.median(self.round_walls) if self.round_walls else self.options.sync_every * per_step
+            next_round = statistics.median(self.round_walls) if self.round_walls else self.sync_every * per_step
             if now + ahead * per_step + next_round / 2 > self.stop_seconds:
                 self.stop_requested = True
 
@@ -536,6 +598,9 @@ class Pacing:
         steps and weights since the last hand-over and the stop state (the wall-clock parts are
         measured again after a load); the round in flight's report is the loop's to save."""
         return {
+            "sync_every": self.sync_every,
+            "next_every": self.next_every,
+            "round_seconds": self.round_seconds,
             "plan": list(self.plan),
             "hand_over_steps": self.round_steps,
             "hand_over_weight": self.round_weight,
@@ -550,6 +615,9 @@ class Pacing:
     def load_state_dict(self, saved: dict[str, Any], round_steps: int, flight_report: ReplicaReport | None) -> None:
         """``round_steps``: the steps since the last launch, for a state saved without them. A
         state saved at another number of replicas restarts the plan (``first_plan``)."""
+        self.sync_every = int(saved.get("sync_every", self.options.sync_every))
+        self.next_every = int(saved.get("next_every", self.sync_every))
+        self.round_seconds = float(saved.get("round_seconds", 0.0))
         plan = saved.get("plan")
         self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()
         self.round_steps = int(saved.get("hand_over_steps", round_steps))

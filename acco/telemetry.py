@@ -67,6 +67,8 @@ class RoundStats:
             round in flight: it only all-gathers its saved result again.
         replicas: an outer round's report of every replica's hand-over (inner steps, tokens,
             seconds per step, stop requests: :class:`acco.local.ReplicaReport`); None otherwise.
+        sync_every: an outer round's H, the fastest replica's inner steps in it (with
+            ``sync_every="auto"``, what the planner chose); None otherwise.
         phase: the lane phase the round is in (or failed in); ``"queued"`` before it starts.
         participants: an elastic outer round's replica groups (:mod:`acco.elastic`); None otherwise.
         dropped: an elastic outer round some participant failed: it changed nothing (each
@@ -98,6 +100,7 @@ class RoundStats:
     skipped: bool = False
     replayed: bool = False
     replicas: Any = None
+    sync_every: int | None = None
     phase: str = "queued"
     participants: int | None = None
     dropped: bool = False
