@@ -152,12 +152,18 @@ def state_bytes(optimizers: Sequence[torch.optim.Optimizer | None]) -> int:
     return total
 
 
-def memory_line(opt: AccoOptimizer, ctx: Dist, shape: tuple[int, int], launched: bool) -> str:
-    """This rank's bytes: acco's buffers measured and predicted, and the optimizers' state."""
+def buffer_totals(opt: AccoOptimizer) -> dict[str, int]:
+    """``opt.buffer_bytes()`` summed over the param groups, by buffer."""
     measured: dict[str, int] = {}
     for entry in opt.buffer_bytes():
         for name, size in entry.items():
             measured[name] = measured.get(name, 0) + size
+    return measured
+
+
+def memory_line(opt: AccoOptimizer, ctx: Dist, shape: tuple[int, int], launched: bool) -> str:
+    """This rank's bytes: acco's buffers measured and predicted, and the optimizers' state."""
+    measured = buffer_totals(opt)
     local = opt.options.local
     numels = local_numels(opt)
     param_bytes = next(iter(opt.param_groups[0]["params"])).dtype.itemsize

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from acco import AccoOptimizer
 from acco.options import LocalOptions, Mode
-from examples.pretrain_mesh import acco_local_bytes, local_numels
+from examples.pretrain_mesh import acco_local_bytes, buffer_totals, local_numels
 from examples.train_gpt import GPT, GPTConfig, param_groups
 from tests.helpers import TIMEOUT
 
@@ -127,10 +127,7 @@ def formula_rank(shape: tuple[int, int], bf16_params: bool, options: dict) -> di
         torch.nn.functional.cross_entropy(logits.float().view(-1, 256), x.view(-1)).backward()
         opt.accumulate()
         opt.step()
-    measured: dict[str, int] = {}
-    for entry in opt.buffer_bytes():
-        for name, size in entry.items():
-            measured[name] = measured.get(name, 0) + size
+    measured = buffer_totals(opt)
     local = opt.options.local
     numels = local_numels(opt)
     param_bytes = 2 if bf16_params else 4
