@@ -144,19 +144,11 @@ class FreshForward:
             self.versions = versions
 
 
-def _fsdp_groups(module: nn.Module | None) -> dict[int, Any]:
-    """The FSDP2 param group of each parameter ``fully_shard`` manages in ``module``, by id."""
-    if module is None:
-        return {}
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return {}
+def _fsdp_groups(fsdp_modules: Sequence[nn.Module]) -> dict[int, Any]:
+    """The FSDP2 param group of each parameter these FSDP2 modules manage, by id."""
     found: dict[int, Any] = {}
-    for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        group = sub._get_fsdp_state()._fsdp_param_group
+    for sub in fsdp_modules:
+        group = sub._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
         if group is None:
             continue
         for fsdp_param in group.fsdp_params:
@@ -176,7 +168,8 @@ class InnerMesh:
     """
 
     def __init__(self, params: Iterable[Tensor], module: nn.Module | None, comm: Collectives) -> None:
-        fsdp = _fsdp_groups(module)
+        fsdp_modules = _fsdp_modules(module)
+        fsdp = _fsdp_groups(fsdp_modules)
         self.params: dict[int, MeshParam] = {}
         sharded: list[Tensor] = []  # the local tensors of the parameters FSDP2 shards
         inner: set[int] = set()
@@ -208,9 +201,8 @@ class InnerMesh:
         self.replica_ranks = sorted(inner) if inner else [comm.global_rank()]
         self.replica_size = len(self.replica_ranks)
         self.ranks: list[int] = []
-        fsdp_modules = _fsdp_modules(module)
-        self.fresh_forward = FreshForward(module, fsdp_modules, sharded) if module is not None and sharded and \
-            fsdp_modules else None
+        # (sharded only where some FSDP2 module of ``module`` holds the parameter)
+        self.fresh_forward = FreshForward(module, fsdp_modules, sharded) if sharded and module is not None else None
 
     def check(self, param_groups: Sequence[dict[str, Any]], param_dtype: torch.dtype | None) -> None:
         """``ValueError`` for what acco cannot do exactly on DTensor parameters (before any

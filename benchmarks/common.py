@@ -1059,8 +1059,10 @@ def rate_text(rate: str) -> str:
     (benchmarks/netns.py) ``500mbit:15,20mbit`` as ``500 Mbit/s for 15 s, then 20 Mbit/s``;
     other spellings as they are."""
     if "," in rate:
-        phases = [phase.partition(":") for phase in rate.split(",")]
-        return ", then ".join(rate_text(r) + (f" for {s} s" if s else "") for r, _, s in phases)
+        from netns import UNLIMITED, parse_rates
+
+        return ", then ".join(rate_text(p.rate or UNLIMITED) + (f" for {p.seconds:g} s" if p.seconds else "")
+                              for p in parse_rates(rate))
     if rate.endswith("mbit") and rate[:-4].replace(".", "", 1).isdigit():
         return f"{float(rate[:-4]):g} Mbit/s"
     if rate.endswith("bit") and rate[:-3].isdigit():
