@@ -1,0 +1,231 @@
+"""acco as the optimizer of torchtitan's Trainer (acco.integrations.torchtitan), on gloo ranks.
+
+Each job launches fresh processes as torchrun would (``run_fresh``) and builds torchtitan's
+Trainer from the ``acco_llama3_debugmodel`` recipe, shrunk to short windows so that a step
+takes a fraction of a second on CPU:
+
+- ``sync`` mode against torchtitan's own AdamW container (the stock Trainer, every rank a
+  replica) on the same config and data: parameters within 1e-5 after 10 steps (fast tier);
+- refusals raise before any process group exists (fast tier, in this process);
+- ``acco``, ``dpu`` and ``local`` train (the loss falls); a DCP checkpoint at step 10 resumed
+  to 20 in new processes ends within 1e-6 of the uninterrupted run in ``acco`` and ``local``
+  mode; a 2x2 mesh (FSDP2 inside, 4 processes) trains; the documented torchrun command runs
+  (stress tier: each job pays torchtitan's import, seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("triton")  # torchtitan's Trainer imports it (an expert-parallel kernel module)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.ranks import ROOT, run_fresh  # noqa: E402
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _config(root: str, mode: str, steps: int, **optimizer: Any) -> Any:
+    """The recipe, shrunk: windows of 32 tokens, 2 a micro-batch, 2 micro-batches a step, fp32."""
+    from acco.integrations.torchtitan import acco_adamw, acco_llama3_debugmodel
+
+    config = acco_llama3_debugmodel()
+    config.optimizer = acco_adamw(mode=mode, lr=8e-4, implementation="for-loop", **optimizer)
+    config.training.steps = steps
+    config.training.seq_len = 32
+    config.training.local_batch_size = 2
+    config.training.mixed_precision_param = "float32"
+    config.debug.seed = 7
+    config.dump_folder = root
+    config.metrics.log_freq = 1
+    return config
+
+
+def _train(config: Any, trainer_class: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Build and train; the logged losses and the model's full parameters at the end."""
+    from acco.integrations.torchtitan import AccoTrainer
+
+    trainer = (trainer_class or AccoTrainer)(config)
+    losses: list[float] = []
+    log = trainer.metrics_processor.log
+
+    def record(step: int, loss: float, *args: Any, **kwargs: Any) -> None:
+        losses.append(float(loss))
+        log(step, loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record
+    try:
+        trainer.train()
+        params = {name: _full(p).clone() for name, p in trainer.model_parts[0].named_parameters()}
+    finally:
+        trainer.close()
+    return losses, params
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor().detach() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ------------------------------------------------------------------------------ jobs
+
+
+def job_sync_parity(root: str) -> dict[str, Any]:
+    """torchtitan's AdamW container, then acco's sync mode, on the same config and data."""
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.trainer import Trainer
+
+    from acco.integrations.torchtitan import set_timeouts_on_this_torch, use_cpu_without_accelerator
+
+    use_cpu_without_accelerator()
+    set_timeouts_on_this_torch()
+    stock = _config(os.path.join(root, "stock"), "sync", steps=10)
+    stock.optimizer = default_adamw(lr=8e-4, foreach=False, fused=False)
+    stock.checkpoint = CheckpointManager.Config()
+    stock.training.global_batch_size = 2 * stock.training.local_batch_size * 2  # 2 micro-batches, 2 ranks
+    stock.parallelism.data_parallel_replicate_degree = 2  # every rank a replica, as acco's
+    stock_losses, stock_params = _train(stock, Trainer)
+    acco_losses, acco_params = _train(_config(os.path.join(root, "acco"), "sync", steps=10))
+    return {"stock": stock_losses, "acco": acco_losses, "difference": _max_difference(stock_params, acco_params),
+            "moved": _max_difference(stock_params, {k: torch.zeros_like(v) for k, v in stock_params.items()})}
+
+
+def job_modes(root: str) -> dict[str, list[float]]:
+    return {mode: _train(_config(os.path.join(root, mode), mode, steps=12, **_LOCAL.get(mode, {})))[0]
+            for mode in ("acco", "dpu", "local")}
+
+
+_LOCAL = {"local": {"sync_every": 4}}
+
+
+def job_checkpointed(root: str, resume: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """acco and local mode to step 20, checkpoints at 10 and 20 (``resume``: from a copy of
+    the uninterrupted run's step-10 checkpoint, in these new processes)."""
+    finals = {}
+    for mode in ("acco", "local"):
+        config = _config(os.path.join(root, "resumed" if resume else "whole", mode), mode, steps=20,
+                         **_LOCAL.get(mode, {}))
+        config.checkpoint.enable = True
+        config.checkpoint.interval = 10
+        finals[mode] = _train(config)[1]
+    return finals
+
+
+def job_mesh(root: str) -> list[float]:
+    config = _config(os.path.join(root, "mesh"), "acco", steps=10)
+    config.parallelism.data_parallel_replicate_degree = 2
+    config.parallelism.data_parallel_shard_degree = 2
+    return _train(config)[0]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_sync_matches_torchtitan_adamw(tmp_path: Path) -> None:
+    results = run_fresh(job_sync_parity, str(tmp_path), timeout=300)
+    for rank in results:
+        assert len(rank["stock"]) == len(rank["acco"]) == 10
+        assert rank["moved"] > 1e-3  # the parameters trained
+        assert rank["difference"] < 1e-5, rank["difference"]
+        assert abs(rank["stock"][-1] - rank["acco"][-1]) < 1e-4
+
+
+@pytest.mark.stress
+def test_modes_train(tmp_path: Path) -> None:
+    losses = run_fresh(job_modes, str(tmp_path), timeout=400)[0]
+    for mode, curve in losses.items():
+        assert len(curve) == 12, mode
+        assert sum(curve[-3:]) / 3 < sum(curve[:2]) / 2 - 0.5, (mode, curve)
+
+
+@pytest.mark.stress
+def test_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    whole = run_fresh(job_checkpointed, str(tmp_path), False, timeout=400)
+    for mode in ("acco", "local"):
+        source = tmp_path / "whole" / mode / "checkpoint" / "step-10"
+        target = tmp_path / "resumed" / mode / "checkpoint" / "step-10"
+        assert (source / "acco" / ".metadata").is_file()
+        shutil.copytree(source, target)
+    resumed = run_fresh(job_checkpointed, str(tmp_path), True, timeout=400)
+    for rank in range(2):
+        for mode in ("acco", "local"):
+            difference = _max_difference(whole[rank][mode], resumed[rank][mode])
+            assert difference <= 1e-6, (mode, difference)
+
+
+@pytest.mark.stress
+def test_mesh_2x2_trains(tmp_path: Path) -> None:
+    losses = run_fresh(job_mesh, str(tmp_path), world_size=4, timeout=400)[0]
+    assert len(losses) == 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.5, losses
+
+
+@pytest.mark.stress
+def test_documented_command(tmp_path: Path) -> None:
+    """docs/torchtitan.md's command, as a user runs it, from the repository root."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "torchtitan.train", "--module", "acco.integrations.torchtitan", "--config", "acco_llama3_debugmodel",
+               "--optimizer.mode", "acco", "--training.steps", "3", "--training.seq_len", "64",
+               "--dump_folder", str(tmp_path)]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=400)
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 0, output[-3000:]
+    assert output.count("loss:") >= 6, output[-3000:]  # 3 steps, 2 ranks
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def _refused(config: Any, match: str) -> None:
+    from acco.integrations.torchtitan import AccoTrainer
+
+    with pytest.raises(ValueError, match=match):
+        AccoTrainer(config)
+    assert not dist.is_initialized()  # raised before any process group, so before any collective
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: setattr(c.parallelism, "pipeline_parallel_degree", 2), "pipeline_parallel_degree"),
+    (lambda c: setattr(c.parallelism, "context_parallel_degree", 2), "context_parallel_degree"),
+    (lambda c: setattr(c.parallelism, "spmd_backend", "spmd_types"), "spmd_backend"),
+    (lambda c: setattr(c.training, "disable_cuda_graphs", False), "disable_cuda_graphs"),
+    (lambda c: setattr(c.training, "global_batch_size", -3), "must be even"),
+    (lambda c: setattr(c.optimizer, "mode", "fast"), "optimizer.mode"),
+    (lambda c: setattr(c.optimizer, "implementation", "fused_opt_states_bf16"), "implementation"),
+    (lambda c: setattr(c.optimizer, "outer_bits", 3), "outer_bits"),
+    (lambda c: setattr(c.checkpoint, "async_mode", "async") or setattr(c.checkpoint, "enable", True), "async_mode"),
+    (lambda c: setattr(c.parallelism, "data_parallel_shard_degree", -1), "both -1"),
+], ids=["pipeline", "context", "spmd_types", "cuda_graphs", "odd_micro_batches", "mode", "bf16_states",
+        "outer_bits", "async_checkpoint", "both_degrees_open"])
+def test_refusals(tmp_path: Path, change: Any, match: str) -> None:
+    config = _config(str(tmp_path), "local" if match == "outer_bits" else "acco", steps=2)
+    change(config)
+    _refused(config, match)
+
+
+def test_refuses_torchtitans_own_containers(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.optimizer import default_adamw
+
+    config = _config(str(tmp_path), "acco", steps=2)
+    config.optimizer = default_adamw()
+    _refused(config, "AccoOptimizersContainer.Config")
+    config = _config(str(tmp_path), "acco", steps=2)
+    config.checkpoint = CheckpointManager.Config(enable=True)
+    _refused(config, "AccoCheckpointManager.Config")
