@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims, utils as dist_utils
@@ -262,7 +263,14 @@ class _ReplicaGroupDims:
 
 def _inside_replica_group(parallelize: Callable[..., Any], model: Any, *, parallel_dims: ParallelDims,
                           **kwargs: Any) -> Any:
-    return parallelize(model, parallel_dims=_ReplicaGroupDims(parallel_dims), **kwargs)
+    model = parallelize(model, parallel_dims=_ReplicaGroupDims(parallel_dims), **kwargs)
+    if dist.get_backend(parallel_dims.get_mesh("fsdp").get_group()) == "gloo":
+        # torchtitan sets FSDP2's divide factor to 1, which FSDP2 reduces with NCCL's
+        # PREMUL_SUM; gloo has none: a plain sum, then the same factor.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def _own_group() -> Any:
