@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 
 from acco.collectives import Collectives
@@ -84,6 +82,8 @@ def save(
         state = _portable_entries(optimizer, model, extra, rank)
     else:
         state = _own_entries(optimizer, model, extra, rank)
+    import torch.distributed.checkpoint as dcp  # here, not at import: a second off every process start
+
     with _quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), **_dcp_group(optimizer))
     barrier()
@@ -134,6 +134,11 @@ def load(
 
     .. warning:: Collective: every rank must call it.
     """
+    import torch.distributed.checkpoint as dcp  # here, not at import: a second off every process start
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from acco.safe_reader import SafeFileSystemReader
+
     path = Path(directory)
     reader = SafeFileSystemReader(path)
     try:
@@ -330,6 +335,11 @@ def _load_portable(path: Path, entries: Mapping[str, Any], optimizer: AccoOptimi
     """:func:`load` of a checkpoint written on a mesh (:func:`_portable_entries`), into any layout: each
     entry is read into a tensor shaped like this rank's parameter (a DTensor with its mesh
     and placements, or the whole tensor), DCP resharding it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from acco.safe_reader import SafeFileSystemReader
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     head = torch.empty(entries[f"{_PORTABLE}.skeleton"].size, dtype=torch.uint8)
     state: dict[str, Any] = {f"{_PORTABLE}.skeleton": head}
@@ -426,40 +436,6 @@ def full_state_dict(optimizer: AccoOptimizer) -> dict[str, Any] | None:
         "num_updates": saved[0]["acco"]["num_updates"],
         "groups": [{"master": g.master, "state": g.state, "pending_grad": g.grad_sum} for g in groups],
     }
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's reader, with its pickled metadata read by an unpickler that only admits the
-    classes DCP's metadata is made of."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if not isinstance(metadata, dcp.Metadata):
-            raise ValueError(f"{path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    _ALLOWED_BUILTINS = frozenset({"set", "frozenset", "dict", "list", "tuple", "slice", "complex"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-            or (module == "torch" and name in {"strided", "sparse_coo", "contiguous_format", "preserve_format"})
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in self._ALLOWED_BUILTINS)
-            or (module == "pathlib" and name in {"PosixPath", "WindowsPath", "PurePosixPath"})
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-        return super().find_class(module, name)
 
 
 # --------------------------------------------------------------------- resharding

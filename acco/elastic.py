@@ -27,8 +27,8 @@ quorum's id, which no other round shares), kept in checkpoints.
 
 No group holds a round past the *grace window*: the lighthouse issues a quorum once a minimum
 quorum has asked (and its join timeout has passed), and while a group of the participants'
-last round is missing the participants ask again until the window (adaptive: a few times the
-measured spread of hand-over times; or fixed) has passed. A group left out (alive but late: a
+last few rounds is missing the participants ask again until the window (adaptive: a few times
+the measured spread of hand-over times; or fixed) has passed. A group left out (alive but late: a
 stall, a paused process, a loaded machine) keeps training, and at its next round its global
 values are behind: torchft heals it by step count, or, where its step count equals the others'
 (a round torchft committed that it dropped), the round's first exchange shows its lineage
@@ -130,10 +130,11 @@ class TorchFT:
             (restarting, or gone for good) before the groups present end without it (default:
             the quorum timeout).
         grace: how long a round waits, from its first quorum, for a group of the participants'
-            last round that has not handed over yet: ``"adaptive"`` (the default: a few times
-            the measured spread of hand-over times, :attr:`ElasticRunner.grace_factor`) or a
-            number of seconds. A group later than that is left out of the round and keeps its
-            progress: its inner steps count in its next round.
+            last few rounds (:attr:`ElasticRunner.grace_memory`) that has not handed over yet:
+            ``"adaptive"`` (the default: a few times the measured spread of hand-over times,
+            :attr:`ElasticRunner.grace_factor`) or a number of seconds. A group later than that
+            is left out of the round and keeps its progress: its inner steps count in its next
+            round.
 
     Example::
 
@@ -158,6 +159,10 @@ class TorchFT:
         self.quorum_timeout: datetime.timedelta = getattr(manager, "_quorum_timeout", DEFAULT_QUORUM_TIMEOUT)
         self._finish_timeout = finish_timeout
         self.grace = grace
+        # This replica group's identity across rounds and restarts: its replica id as the
+        # Manager was given it (torchft adds a fresh uuid per process), exact in float64.
+        name = getattr(manager, "_replica_id", None) or f"anonymous:{id(self)}:{time.time_ns()}"
+        self.group_id = int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=6).digest(), "little")
         self._healed = threading.Event()
         self._first = True
         self._waiting_since: float | None = None
@@ -362,6 +367,11 @@ class ElasticRunner(OuterRunner):
     # times (how much later than the median participant the last one handed over), at least
     # grace_floor seconds, at most grace_cap (docs/elastic.md, "Late groups": measured).
     grace_factor, grace_floor, grace_cap, grace_rounds = 3.0, 0.05, 10.0, 8
+    # A round waits for every group seen in a round within the last grace_memory committed
+    # rounds, not only for those of this group's last round: a group left out of one round is
+    # early for the next, where it meets the first of the others to ask; without that memory
+    # each round's pair would land without the third, a different one each round, for good.
+    grace_memory = 3
     grace_poll_seconds = 0.02  # between two asks for a quorum while the grace window is open
 
     def __init__(
@@ -405,7 +415,7 @@ class ElasticRunner(OuterRunner):
         # in the newest global values. Such a group takes them as they are (its steps since lost)
         # rather than carrying its progress onto them twice.
         self._maybe_merged = False
-        self._last_participants = 0  # the participants of the last round this group landed
+        self._seen: dict[int, int] = {}  # each group in a round with this one: the round's torchft step
         self._spreads: collections.deque[float] = collections.deque(maxlen=self.grace_rounds)
         self._handed_over_at = self._first_quorum_at = 0.0
         self.replica, self.replicas = 0, 1
@@ -516,7 +526,7 @@ class ElasticRunner(OuterRunner):
                 self._relay(shard.out, shard.place.plan, group.gathered, group.plan)
             self.lineage = _next_lineage(self.lineage, quorum)
             self.most_participants = max(self.most_participants, quorum.replicas)
-            self._landed, self._last_participants, self._maybe_merged = True, quorum.replicas, False
+            self._landed, self._maybe_merged = True, False
             stats.counted = 0 if stats.skipped else round_.report.steps[quorum.replica]
             # The job ends on a round every participant finishes in, with every group the job had
             # (or after a participant's finish_timeout): the same decision on every participant.
@@ -595,25 +605,26 @@ class ElasticRunner(OuterRunner):
         rank with the equal ranks of the other groups, every rank of a group saying what its
         group agreed: the same on all of them); and this round's spread of hand-over times."""
         own, nonfinite, gives_up = self._group_hand_over(round_)
-        fields, device, now = 15, self._groups[0].device, time.monotonic()
+        fields, device, now = 16, self._groups[0].device, time.monotonic()
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
-             gives_up, self._layout, self._last_participants, now - self._handed_over_at, now - self._first_quorum_at,
-             self.grace(), self._maybe_merged], dtype=torch.float64)  # fmt: skip
+             gives_up, self._layout, self._expected(quorum), now - self._handed_over_at, now - self._first_quorum_at,
+             self.grace(), self._maybe_merged, self._membership.group_id], dtype=torch.float64)  # fmt: skip
         flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
         rows = flags[1:].view(quorum.replicas, fields).tolist()
         if len({row[9] for row in rows}) != 1:
             raise RoundRefused(_MISFIT)
-        # A group of the participants' last round has not asked yet (late, or gone): ask again
+        # A group of the participants' recent rounds has not asked yet (late, or gone): ask again
         # while the window opened by this round's first quorum lasts (the lighthouse adds a
         # group that asked meanwhile to the next quorum at once).
         missing = quorum.replicas < max(row[10] for row in rows)
         if missing and max(row[12] for row in rows) < max(row[13] for row in rows):
             return 0, None, [], 0.0, True  # type: ignore[return-value]
+        self._saw(quorum, [int(row[15]) for row in rows])
         # How much later than the median participant the last one handed over (a group back from
         # a stall, which asked long before the others, leaves the median where it is).
         waited = [row[11] for row in rows]
@@ -645,8 +656,17 @@ class ElasticRunner(OuterRunner):
             raise failed
         return nonfinite, report, peers, spread, waits
 
+    def _saw(self, quorum: Quorum, groups: Sequence[int]) -> None:
+        """``groups`` (their :attr:`TorchFT.group_id`) took part in ``quorum``'s round with this one."""
+        self._seen.update((group, quorum.step) for group in groups)
+
+    def _expected(self, quorum: Quorum) -> int:
+        """How many groups were in a round with this one within the last :attr:`grace_memory`
+        committed rounds (itself included): a round with fewer waits the grace window."""
+        return sum(1 for step in self._seen.values() if step >= quorum.step - self.grace_memory)
+
     def grace(self) -> float:
-        """Seconds a round waits, from its first quorum, for a missing group of the last round:
+        """Seconds a round waits, from its first quorum, for a missing group of the last rounds:
         the membership's ``grace``, or (``"adaptive"``) :attr:`grace_factor` times the median
         spread of the last :attr:`grace_rounds` rounds' hand-over times, within
         [:attr:`grace_floor`, :attr:`grace_cap`]."""

@@ -20,16 +20,12 @@ parameters none of this exists and acco is the flat ZeRO-1 of the rest of the pa
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-try:  # torch >= 2.4 has the public module; older ones have no DTensor parameters to support
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
 
 from acco.collectives import Collectives
 
@@ -37,7 +33,11 @@ __all__ = ["InnerMesh", "MeshParam", "dtensor_like", "is_dtensor", "local_tensor
 
 
 def is_dtensor(tensor: Any) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    """Whether ``tensor`` is a DTensor. A DTensor exists only once ``torch.distributed.tensor``
+    was imported (FSDP2 and tensor parallelism import it), so acco does not import it for a
+    flat job: a second off every process start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local_tensor(param: Tensor) -> Tensor:
@@ -52,6 +52,8 @@ def local_tensor(param: Tensor) -> Tensor:
 def dtensor_like(local: Tensor, param: Tensor) -> Tensor:
     """``local`` (shaped like this rank's block of DTensor ``param``) as a DTensor with
     ``param``'s mesh, placements, global shape and stride."""
+    from torch.distributed.tensor import DTensor  # imported: ``param`` is one
+
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())  # fmt: skip
 
@@ -71,11 +73,11 @@ class MeshParam:
         mesh, placements = param.device_mesh, param.placements
         replicated = 1
         for dim, placement in enumerate(placements):
-            if isinstance(placement, Replicate):
+            if placement.is_replicate():
                 replicated *= mesh.size(dim)
         # Every rank of a dimension it is replicated over holds the same gradient: counted once.
         self.norm_weight = 1.0 / replicated
-        self.sharded = any(isinstance(p, Shard) for p in placements)
+        self.sharded = any(p.is_shard() for p in placements)
 
     def grad_scale(self) -> float:
         """What turns the local gradient into the mean over the replica group.

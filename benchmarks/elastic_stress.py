@@ -6,7 +6,8 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
 
 - ``pause``: 3 groups (``--steps 300 --step-seconds 0.05``), replica 2's process paused with
   SIGSTOP for 6 s a few rounds in, then SIGCONT;
-- ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole run;
+- ``hogs``: 3 groups beside four CPU hogs (busy processes) for the whole scenario (with
+  ``--parallel``, several runs beside the same four);
 - ``late-kill``: 2 groups, ``--steps 400`` with no step sleep, replica 1 killed (SIGKILL) three
   rounds in: the survivor may finish before it has restarted;
 - ``rank-kill``: 2 groups of 2 ranks (``--nproc-per-replica 2``, FSDP2 inside; ``--inner tp`` after
@@ -15,7 +16,9 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
   Each run is also checked against an uninterrupted run of the same job (run once first): group 1
   restarted, and the held-out loss within 2% of the uninterrupted one. 400 inner steps: at 200,
   a group of 2 ranks out for its restart (about 6 s here) is an eighth of the run, and 1 of 6
-  runs ended 2.3% above (results/elastic_stress-rank-kill-200steps.log).
+  runs ended 2.3% above (results/elastic_stress-rank-kill-200steps.log). One micro-batch per
+  inner step (the example's default: 2): a step of 4 FSDP2 ranks on 2 cores is about 30% cheaper,
+  and ten runs are the stress tier's largest cost.
 
     pip install -e '.[ft]'
     python benchmarks/elastic_stress.py --scenarios pause hogs late-kill --runs 20
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -40,8 +42,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_hogs  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO_ROOT / "examples" / "elastic_local.py"
@@ -51,8 +58,9 @@ SCENARIOS = {
     "hogs": ["--replicas", "3", "--steps", "300", "--step-seconds", "0.05"],
     "late-kill": ["--replicas", "2", "--steps", "400"],
     "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "400",
-                  "--step-seconds", "0.02", "--sync-every", "10"],
+                  "--step-seconds", "0.02", "--sync-every", "10", "--micro-batches", "1"],
 }
+HOGS = 4  # the hogs scenario's busy processes, for all its runs (with --parallel 2: two runs beside them)
 LOSS_TOLERANCE = 0.02  # rank-kill: the held-out loss within 2% of the uninterrupted run's
 
 
@@ -72,54 +80,39 @@ def wait_for_rounds(directory: Path, index: int, count: int, process: subprocess
     return True
 
 
-def hog(stop: Any) -> None:
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
-
-
 def run_once(scenario: str, directory: Path, extra: list[str], run: int | None = None) -> dict[str, Any]:
     """One launch of the example under ``scenario`` (``run``: its number, seeding where a kill
     lands; None: the scenario's job without its event, the uninterrupted reference)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     command = [sys.executable, str(EXAMPLE), *SCENARIOS[scenario], "--log-dir", str(directory), *extra]
-    out = open(directory.with_suffix(".out"), "w")
-    hogs: list[multiprocessing.Process] = []
-    stop = multiprocessing.get_context("fork").Event()
-    if scenario == "hogs":
-        hogs = [multiprocessing.get_context("fork").Process(target=hog, args=(stop,), daemon=True) for _ in range(4)]
-        for process in hogs:
-            process.start()
     started = time.monotonic()
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    event = None
-    rng = random.Random(run)
-    try:
-        if run is None:
-            pass
-        elif scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
-            pid = int((directory / "replica-2.pid").read_text().split()[0])
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(6.0)
-            os.kill(pid, signal.SIGCONT)
-            event = "paused replica 2 for 6 s"
-        elif scenario == "late-kill" and wait_for_rounds(directory, 1, 4, process):
-            for pid in (directory / "replica-1.pid").read_text().split():
-                os.kill(int(pid), signal.SIGKILL)
-            event = "killed replica 1"
-        elif scenario == "rank-kill" and wait_for_rounds(directory, 1, rng.randint(2, 8), process):
-            time.sleep(rng.uniform(0.0, 1.0))
-            pids = (directory / "replica-1.pid").read_text().split()
-            victim = rng.randrange(len(pids))
-            os.kill(int(pids[victim]), signal.SIGKILL)
-            event = f"killed rank {victim} of replica 1"
-        code = process.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        code = "timeout"
-    finally:
-        stop.set()
-        for hogging in hogs:
-            hogging.join(timeout=5)
+    with open(directory.with_suffix(".out"), "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        event = None
+        rng = random.Random(run)
+        try:
+            if run is None:
+                pass
+            elif scenario == "pause" and wait_for_rounds(directory, 2, 4, process):
+                pid = int((directory / "replica-2.pid").read_text().split()[0])
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(6.0)
+                os.kill(pid, signal.SIGCONT)
+                event = "paused replica 2 for 6 s"
+            elif scenario == "late-kill" and wait_for_rounds(directory, 1, 4, process):
+                for pid in (directory / "replica-1.pid").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+                event = "killed replica 1"
+            elif scenario == "rank-kill" and wait_for_rounds(directory, 1, rng.randint(2, 8), process):
+                time.sleep(rng.uniform(0.0, 1.0))
+                pids = (directory / "replica-1.pid").read_text().split()
+                victim = rng.randrange(len(pids))
+                os.kill(int(pids[victim]), signal.SIGKILL)
+                event = f"killed rank {victim} of replica 1"
+            code = process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            code = "timeout"
     replicas = int(SCENARIOS[scenario][SCENARIOS[scenario].index("--replicas") + 1])
     finals = {i: (directory / f"replica-{i}.final").read_text() for i in range(replicas)
               if (directory / f"replica-{i}.final").exists()}  # fmt: skip
@@ -140,6 +133,67 @@ def passed(result: dict[str, Any]) -> bool:
     return result["exit"] == 0 and result["identical"] and result.get("restarted", True) and result.get("loss_within", True)
 
 
+def run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str] = (), parallel: int = 1,
+                 report: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """``runs`` launches of ``scenario`` (``parallel`` at a time; ``hogs``: beside four CPU hogs
+    for the whole scenario), each checked by :func:`passed`; rank-kill also runs the job
+    uninterrupted (beside the first runs) for the held-out loss. Logs under ``base``; each
+    run's line to ``report``. Also the stress tier's harness (tests/test_stress.py)."""
+    with cpu_hogs(HOGS if scenario == "hogs" else 0):
+        return _run_scenario(scenario, runs, base, extra, parallel, report)
+
+
+def _run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str], parallel: int,
+                  report: Callable[[str], None]) -> list[dict[str, Any]]:
+    reference: dict[str, Any] = {}
+    referee = None
+    if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss, beside the first runs
+        (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
+        referee = threading.Thread(target=lambda: reference.update(run_once(scenario, base / f"{scenario}-reference",
+                                                                            list(extra))))  # fmt: skip
+        referee.start()
+    results: list[dict[str, Any]] = []
+    for first in range(0, runs, parallel):
+        batch = range(first, min(runs, first + parallel))
+        outcome: dict[int, dict[str, Any]] = {}
+
+        def one(n: int) -> None:
+            directory = base / f"{scenario}-{n}"
+            directory.mkdir(parents=True, exist_ok=True)
+            outcome[n] = run_once(scenario, directory, list(extra), n)
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in batch]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        results += [{**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")} for n in batch]
+        if referee is None:
+            for result in results[-len(batch):]:
+                report(describe(result))
+    if referee is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
+        referee.join()
+        report(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}")
+        for result in results:
+            result["reference_loss"] = reference["eval_loss"]
+            result["restarted"] = result["restarts"].get(1, 0) >= 1
+            result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
+                                     abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
+            report(describe(result))
+    return results
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One run's line: pass or fail, exit, digests, rounds, heals, seconds (rank-kill: the kill,
+    the restart and the held-out loss against the uninterrupted run's)."""
+    return (f"{result['scenario']:9s} run {result['run']:2d}: {'ok  ' if passed(result) else 'FAIL'} exit {result['exit']} | "
+            f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
+            f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
+            f"content heals {result['content_heals']} | {result['seconds']} s"
+            + (f" | {result['event']}, restarted {result['restarted']}, held-out loss {result['eval_loss']} "
+               f"(uninterrupted {result['reference_loss']})" if "reference_loss" in result else ""))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
@@ -151,41 +205,7 @@ def main() -> None:
     base = args.keep or Path(tempfile.mkdtemp(prefix="elastic-stress-"))
     results: list[dict[str, Any]] = []
     for scenario in args.scenarios:
-        parallel = 1 if scenario == "hogs" else args.parallel
-        reference = None
-        if scenario == "rank-kill":  # the same job uninterrupted, for the held-out loss
-            (base / f"{scenario}-reference").mkdir(parents=True, exist_ok=True)
-            reference = run_once(scenario, base / f"{scenario}-reference", extra)
-            print(f"{scenario:9s} uninterrupted: exit {reference['exit']} | held-out loss {reference['eval_loss']}", flush=True)
-        for first in range(0, args.runs, parallel):
-            batch = range(first, min(args.runs, first + parallel))
-            outcome: dict[int, dict[str, Any]] = {}
-
-            def one(n: int) -> None:
-                directory = base / f"{scenario}-{n}"
-                directory.mkdir(parents=True, exist_ok=True)
-                outcome[n] = run_once(scenario, directory, extra, n)
-
-            threads = [threading.Thread(target=one, args=(n,)) for n in batch]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for n in batch:
-                result = {**outcome[n], "run": n, "directory": str(base / f"{scenario}-{n}")}
-                if reference is not None:  # restarted, and the held-out loss within 2% of the uninterrupted run
-                    result["reference_loss"] = reference["eval_loss"]
-                    result["restarted"] = result["restarts"].get(1, 0) >= 1
-                    result["loss_within"] = (result["eval_loss"] is not None and reference["eval_loss"] is not None and
-                                             abs(result["eval_loss"] - reference["eval_loss"]) <= LOSS_TOLERANCE * reference["eval_loss"])  # fmt: skip
-                results.append(result)
-                ok = passed(result)
-                print(f"{scenario:9s} run {n:2d}: {'ok  ' if ok else 'FAIL'} exit {result['exit']} | "
-                      f"{len(result['finals'])} digest(s), {'identical' if result['identical'] else 'DIFFERENT'} | "
-                      f"rounds {result['rounds']} | without every group {result['partial_rounds']} | "
-                      f"content heals {result['content_heals']} | {result['seconds']} s"
-                      + (f" | {result['event']}, restarted {result['restarted']}, held-out loss {result['eval_loss']} "
-                         f"(uninterrupted {result['reference_loss']})" if reference is not None else ""), flush=True)  # fmt: skip
+        results += run_scenario(scenario, args.runs, base, extra, args.parallel, report=lambda line: print(line, flush=True))
     print()
     for scenario in args.scenarios:
         mine = [r for r in results if r["scenario"] == scenario]

@@ -22,8 +22,9 @@ Fenton-Wilkinson approximate it). Kinds of round:
   ``grace_factor`` times the median spread of the last rounds' hand-over times (the last
   participant's after the median one's) within [floor, cap], acco's ``ElasticRunner.grace``; or ``--grace SECONDS``). A group later than that keeps
   its progress: its inner steps all count in the next round it reaches, which it waits for once
-  it is back; the others do not wait for it again. A group that dies loses its steps since the
-  last round it took part in, and each round it was in waits the grace window for it.
+  it is back; the others wait the window for it in the next rounds while it was in one of the
+  last three (``grace_memory``). A group that dies loses its steps since the last round it took
+  part in, and the next three rounds wait the grace window for it.
 - ``quorum-drop``: the same rounds, but a late group heals from the others and loses its steps
   since its last round (acco before the grace window, torchft's DiLoCo).
 - ``data-parallel``: lockstep, a round after every inner step, the gradients all-reduced at
@@ -161,6 +162,7 @@ class Setup:
     grace_floor: float = 0.05
     grace_cap: float = 10.0
     grace_rounds: int = 8  # rounds whose spreads the adaptive window takes the median of
+    grace_memory: int = 3  # the window waits for a group of the last this many rounds (acco's)
     spread_counts_late: bool = True  # acco's ElasticRunner: every participant's hand-over time
     spread_from_first: bool = False  # the last hand-over after the first (True), or after the median (acco's)
     speed_spread: float = 0.0  # CV of the groups' lasting speeds
@@ -222,9 +224,10 @@ class RoundRule:
     def steps_per_round(self, setup: Setup, step_seconds: Sequence[float]) -> list[int]:
         return [self.sync_every(setup)] * len(step_seconds)
 
-    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float) -> float:
+    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float, absent: int = 0) -> float:
         """The time the round lands, from each live group's event: (time, handed over, group),
-        a group that died giving the time the lighthouse stops hearing it."""
+        a group that died giving the time the lighthouse stops hearing it (``absent``: dead
+        groups acco still waits for, :attr:`_Group.expected`)."""
         raise NotImplementedError
 
 
@@ -233,7 +236,7 @@ class Lockstep(RoundRule):
 
     name = "lockstep"
 
-    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float) -> float:
+    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float, absent: int = 0) -> float:
         return max((t for t, _, _ in events), default=math.inf)
 
 
@@ -274,9 +277,10 @@ class QuorumGrace(RoundRule):
     def steps_per_round(self, setup: Setup, step_seconds: Sequence[float]) -> list[int]:
         return paced_steps(setup, step_seconds)  # acco's default pacing, in elastic rounds too
 
-    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float) -> float:
+    def land(self, events: list[tuple[float, bool, _Group]], setup: Setup, grace: float, absent: int = 0) -> float:
         live = len(events)
-        waiting = sum(1 for _, _, g in events if g.in_last_round)
+        waiting = sum(1 for _, _, g in events if g.in_last_round)  # torchft's fast quorum waits for these
+        missing = absent + sum(1 for _, _, g in events if g.expected(setup))  # acco's grace window for these
         handed, first, issued = 0, math.inf, math.inf  # issued: when the lighthouse gives the first quorum
         for t, handed_over, g in sorted(events, key=lambda event: event[0]):
             if t > issued + grace:
@@ -284,13 +288,15 @@ class QuorumGrace(RoundRule):
             if handed_over:
                 handed, first = handed + 1, min(first, t)
                 waiting -= g.in_last_round
+                missing -= g.expected(setup)
             else:  # its heartbeats stopped: no longer live (acco still waits for it: it is missing)
                 live -= 1
             if handed >= max(setup.min_replicas, live // 2 + 1):
-                if waiting == 0:  # every group of the last round is in: torchft's fast quorum
+                if missing == 0:  # every group acco waits for is in (those of the last round among them)
                     return t
-                # Every live group asked: at once; else once the first has waited the join timeout.
-                issued = min(issued, t if handed == live else max(t, first + setup.join))
+                # torchft's quorum: at once if every group of its last one or every live group asked;
+                # else once the first has waited the join timeout. Then acco's grace window.
+                issued = min(issued, t if waiting == 0 or handed == live else max(t, first + setup.join))
         return issued + grace
 
 
@@ -326,7 +332,15 @@ class _Group:
     dying: bool = False  # it dies before it hands over
     back_at: float | None = None  # dead until then
     until_stall: float = math.inf  # seconds of its compute until its next random stall
-    in_last_round: bool = True
+    missed_rounds: int = 0  # rounds landed without it since the last it was in
+
+    @property
+    def in_last_round(self) -> bool:
+        return self.missed_rounds == 0
+
+    def expected(self, setup: Setup) -> bool:
+        """acco's grace window waits for it: it was in one of the last ``grace_memory`` rounds."""
+        return self.missed_rounds < setup.grace_memory
     missed: bool = False  # a round landed without it while it was alive
     finished: bool = False
 
@@ -400,7 +414,7 @@ def simulate(setup: Setup, rule: RoundRule, seed: int) -> Outcome:
             grace = min(setup.grace_cap, max(setup.grace_floor, setup.grace_factor * median))
         else:
             grace = float(setup.grace)
-        landing = rule.land(events, setup, grace)
+        landing = rule.land(events, setup, grace, sum(1 for g in groups if g.back_at is not None and g.expected(setup)))
         if math.isinf(landing):  # no quorum can form: the job waits for a group to come back
             returns = [g.back_at for g in groups if g.back_at is not None]
             if not returns:
@@ -414,10 +428,13 @@ def simulate(setup: Setup, rule: RoundRule, seed: int) -> Outcome:
         for g in alive:
             if g.dying and g.dies_at + setup.heartbeat <= landing:  # seen gone: its steps are lost
                 failures += 1
-                g.back_at, g.pending, g.dying, g.in_last_round = g.dies_at + setup.restart, 0, False, False
+                g.back_at, g.pending, g.dying = g.dies_at + setup.restart, 0, False
             elif not g.dying and g.ready > landing:
                 late += 1
-                g.missed, g.in_last_round = True, False
+                g.missed = True
+        for g in groups:
+            if participants and g not in participants and g not in back:
+                g.missed_rounds += 1
         if participants:
             # The window's measure, acco's: how late the last participant handed over after the
             # median one (a late group's hand-over, early as it waited for this round, leaves the
@@ -432,10 +449,10 @@ def simulate(setup: Setup, rule: RoundRule, seed: int) -> Outcome:
         for g in participants:
             if rule.keeps_progress or not g.missed:  # else it heals from the others: its steps are lost
                 g.counted += g.pending
-            g.pending, g.missed, g.in_last_round = 0, False, True
+            g.pending, g.missed, g.missed_rounds = 0, False, 0
         for g in back:  # restarted: it heals inside this round (a peer's step count) and trains from it
             g.dies_at = g.back_at + (g.faults.expovariate(failure_rate) if failure_rate else math.inf)
-            g.back_at, g.position, g.in_last_round, g.missed = None, top, True, False
+            g.back_at, g.position, g.missed_rounds, g.missed = None, top, 0, False
         # The end of a job (acco's finish()): once a group has taken its steps, every group
         # finishes in the first round it reaches from then on, a late one with its steps.
         ending = ending or (setup.steps is not None and any(g.position >= setup.steps for g in participants))

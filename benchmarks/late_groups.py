@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from elastic_stress import EXAMPLE, hog, records
+from common import cpu_hogs
+from elastic_stress import EXAMPLE, records
 
 BASE = ["--replicas", "3", "--step-seconds", "0.05", "--micro-batches", "1", "--sync-every", "10",
         "--timeout", "10", "--quorum-timeout", "120", "--pacing", "lockstep"]  # fmt: skip
@@ -50,18 +50,9 @@ LAUNCHER: list[str] = []  # --launcher's options, after every run's own
 
 def run(directory: Path, extra: list[str], hogs: int = 0) -> dict[str, Any]:
     """One launch of examples/elastic_local.py (its exit code and wall seconds)."""
-    stop = multiprocessing.Event()
-    busy = [multiprocessing.Process(target=hog, args=(stop,), daemon=True) for _ in range(hogs)]
-    for process in busy:
-        process.start()
-    try:
-        command = [sys.executable, str(EXAMPLE), *BASE, *extra, *LAUNCHER, "--log-dir", str(directory)]
-        with open(directory.with_suffix(".out"), "w") as out:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
-    finally:
-        stop.set()
-        for process in busy:
-            process.join()
+    command = [sys.executable, str(EXAMPLE), *BASE, *extra, *LAUNCHER, "--log-dir", str(directory)]
+    with cpu_hogs(hogs), open(directory.with_suffix(".out"), "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
     return {"exit": code}
 
 

@@ -66,7 +66,7 @@ PACING_RATES = ("50mbit", "100mbit", "500mbit")  # pacing_table's links
 FIGURE = common.REPO_ROOT / "docs" / "replicas_slow3.png"
 LABELS = {
     "local-h16-lockstep": "acco local, H = 16, lockstep (every replica 16 steps: the fast one waits)",
-    "local-h16": "acco local, H = 16, the default: paced by speed, token-weighted",
+    "local-h16": "acco local, H = 16, the defaults of 2026-11-26: paced by speed, token-weighted",
     "diloco-h16": "DiLoCo (torchft), H = 16",
     "acco-aww-balanced": "acco `ready()` loop, slow rank's micro-batches 1/3",
 }

@@ -23,18 +23,19 @@ import example_runs
 import gpu_overlap
 import lightning_slow_link
 import memory
+import outer_grid
 import profile_lanes
 import throughput
 import time_to_loss
 import two_nodes
 from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 
-__all__ = ["main"]
+__all__ = ["main", "place"]
 
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md", *sorted((common.REPO_ROOT / "docs").glob("*.md")))
 # In the order of the runtimes table; results files are named after each one's Benchmark.
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
-                                      two_nodes, example_runs, lightning_slow_link)
+                                      two_nodes, example_runs, lightning_slow_link, outer_grid)
 
 
 def generate(results_dir: Path) -> dict[str, str]:
@@ -72,6 +73,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, body in blocks.items():
             print(f"<!-- {name} -->\n{body}\n")
         return
+    place(blocks)
+
+
+def place(blocks: dict[str, str]) -> None:
+    """Each block between its markers, in every README and docs page that has them."""
     texts = {path: path.read_text() for path in READMES}
     for name, body in blocks.items():
         marker = re.escape(name)

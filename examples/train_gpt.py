@@ -77,13 +77,23 @@ SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 # ----------------------------------------------------------------------------- arguments
 
 
+def sync_delay(text: str) -> int | str:
+    """``--sync-delay``: an int, or acco's ``"auto"`` / ``"half"``."""
+    if text in ("auto", "half"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an int, 'auto' or 'half'") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--mode", choices=["acco", "dpu", "sync", "local"], default="acco", help="how rounds overlap communication")
     add("--sync-every", type=int, default=None, help="--mode local: inner updates per outer round (default: acco's)")
-    add("--sync-delay", type=int, default=None,
-        help="--mode local: inner updates an outer round stays in flight (default: acco's, 0: blocking)")
+    add("--sync-delay", type=sync_delay, default=None,
+        help="--mode local: inner updates an outer round stays in flight, 'auto' or 'half' (default: acco's, 0: blocking)")
     add("--pacing", default=None, help="--mode local: speed or lockstep (default: acco's, speed)")
     add("--device", choices=["cpu", "cuda"], default="cpu")
     add("--backend", default=None, help="torch.distributed backend (default: gloo on cpu, nccl on cuda)")
@@ -487,6 +497,14 @@ class Progress:
         )
 
 
+def most_in_flight(opt: AccoOptimizer) -> int:
+    """mode="local": the inner updates past ``--updates`` a replica may take while the last
+    round is in flight (``sync_delay``, as ``repr(opt)`` states it resolved)."""
+    resolved = dict(line.strip().split(": ", 1) for line in repr(opt).splitlines() if ": " in line)
+    delay, every = resolved.get("sync_delay", "0"), int(resolved.get("sync_every", "0"))
+    return every if delay == "auto" else int(delay)
+
+
 def gathered_updates(opt: AccoOptimizer, ctx: Dist) -> list[float]:
     """Every rank's inner updates (mode="local"), on every rank."""
     counts = torch.zeros(ctx.world_size, dtype=torch.float64)
@@ -682,7 +700,7 @@ def train(args: argparse.Namespace, ctx: Dist) -> None:
         print0(ctx, progress.line(opt.num_updates, args.updates, scheduler.get_last_lr()[0]))
     if args.mode == "local":
         print0(ctx, f"local steps: {opt.outer_rounds} outer rounds; inner updates per replica "
-                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (at most {args.updates + (args.sync_delay or 0)}); "
+                    f"{[int(n) for n in gathered_updates(opt, ctx)]} (at most {args.updates + most_in_flight(opt)}); "
                     f"last plan "
                     f"{opt.replica_steps} steps per round")
     elif opt.num_updates != args.updates:

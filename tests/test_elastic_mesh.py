@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -111,8 +112,10 @@ def test_elastic_groups_of_two_ranks_are_the_fixed_mesh_recurrence(inner) -> Non
     """Elastic rounds with 2 groups of 2 ranks equal the fixed 2 x 2 mesh's at the same schedule
     (4-bit legs, error feedback, AdamW inside, SGD-Nesterov outside) within 1e-5; every rank of
     every group ends with the same whole parameters."""
-    fixed = run_fresh(train, inner, world_size=4, timeout=200)
-    elastic = run_elastic(inner)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the fixed mesh's job beside the elastic one
+        fixed_run = pool.submit(run_fresh, train, inner, world_size=4, timeout=200)
+        elastic = run_elastic(inner)
+        fixed = fixed_run.result()
     for key, (params, rounds) in elastic.items():
         joined = next(n for n, (participants, dropped) in enumerate(rounds) if participants == 2 and not dropped)
         assert all(participants == 2 and not dropped for participants, dropped in rounds[joined:]), (key, rounds)
@@ -125,8 +128,8 @@ def test_an_elastic_job_of_groups_of_two_ranks_resumes_from_its_checkpoints_bit_
     """2 groups of 2 ranks (FSDP2 inside) stopped after inner step 4 with a checkpoint of each
     group (acco.checkpoint: DCP, each rank its blocks), resumed by new processes with a new
     lighthouse: every rank ends bit for bit where the uninterrupted run does."""
-    uninterrupted = run_elastic("fsdp")
-    run_elastic("fsdp", ("save", str(tmp_path), 4))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both jobs at once
+        uninterrupted, _ = pool.map(lambda checkpoint: run_elastic("fsdp", checkpoint), [None, ("save", str(tmp_path), 4)])
     resumed = run_elastic("fsdp", ("resume", str(tmp_path), 4))
     for key, (params, _) in resumed.items():
         assert_params_equal(params, uninterrupted[key][0])

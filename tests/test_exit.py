@@ -12,6 +12,7 @@ runs and the one with both in about 1 of 4 under torchrun.
 from __future__ import annotations
 
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tests.ranks import run_script
 pytestmark = pytest.mark.timeout(300)
 
 JOB = str(Path(__file__).resolve().parent / "exit_job.py")
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run_job(mode: str, end: str, destroy: bool) -> list[subprocess.CompletedProcess]:
@@ -58,7 +60,7 @@ def assert_every_case_exits_cleanly(cases: list[tuple[str, str, bool]]) -> None:
 def test_a_job_of_each_mode_exits_cleanly() -> None:
     """Each mode, ended by finish() or not, with and without destroy_process_group(): exit 0 and
     no abort on every rank (every combination: the stress tier; many runs of one case beside CPU
-    hogs: benchmarks/exit_stress.py)."""
+    hogs: the stress tier, through benchmarks/exit_stress.py)."""
     assert_every_case_exits_cleanly(FAST_CASES)
 
 
@@ -66,6 +68,24 @@ def test_a_job_of_each_mode_exits_cleanly() -> None:
 def test_every_job_exits_cleanly() -> None:
     """Every mode, ended by finish() or not, with and without destroy_process_group()."""
     assert_every_case_exits_cleanly(CASES)
+
+
+SOAK_RUNS, SOAK_HOGS, SOAK_AT_ONCE = 50, 2, 3  # with the hogs, more processes than cores, as on a busy node
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(600)
+def test_a_finished_job_exits_cleanly_every_time_beside_cpu_hogs() -> None:
+    """:data:`SOAK_RUNS` jobs of benchmarks/exit_stress.py's case (sync, finish(), no
+    destroy_process_group()), :data:`SOAK_AT_ONCE` at a time, beside :data:`SOAK_HOGS` CPU
+    hogs, through that benchmark's own harness: no rank aborts or exits non-zero."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import exit_stress
+    from common import cpu_hogs
+
+    with cpu_hogs(SOAK_HOGS):
+        bad = exit_stress.run_case("sync:finish:0", SOAK_RUNS, at_once=SOAK_AT_ONCE)
+    assert not bad, "\n".join(f"run {run} rank {rank}: exit {code}\n{tail}" for run, rank, code, tail in bad)
 
 
 def test_an_exception_ends_the_job_with_its_own_status() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,8 +63,8 @@ def test_the_diff_on_the_page_is_the_diff_between_its_loops() -> None:
 
 
 def test_sync_logs_the_ddp_loss_at_every_iteration(tmp_path) -> None:
-    ddp = run(tmp_path, "before.py")
-    sync = run(tmp_path, "after.py", "sync")
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both jobs at once
+        ddp, sync = pool.map(lambda args: run(tmp_path / args[0], *args[1:]), [("ddp", "before.py"), ("sync", "after.py", "sync")])
     assert len(ddp) == len(sync) == ITERS
     for (ddp_loss, ddp_updates), (loss, updates) in zip(ddp, sync):
         assert updates == ddp_updates
@@ -90,8 +91,10 @@ def test_the_local_mode_port_resumed_in_new_processes_ends_as_the_uninterrupted_
     resumed in new processes: the two halves log the whole run's lines, and after finish() the
     resumed run saves the same model bit for bit. The checkpoint's model is the global values
     (what eval() gives after loading its optimizer state), not rank 0's own parameters."""
-    whole = run_page_script(tmp_path / "whole", "train_local.py").splitlines()
-    stopped = run_page_script(tmp_path / "stopped", "train_local.py", "max_iters=8").splitlines()
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both jobs at once
+        whole, stopped = (output.splitlines() for output in pool.map(
+            lambda args: run_page_script(tmp_path / args[0], "train_local.py", *args[1:]),
+            [("whole",), ("stopped", "max_iters=8")]))  # fmt: skip
     saved = torch.load(tmp_path / "stopped" / "ckpt.pt", weights_only=True)
     assert saved["iter_num"] == 8 and len(saved["rng"]) == 2
     resumed = run_page_script(tmp_path / "stopped", "train_local.py", "init_from=resume").splitlines()

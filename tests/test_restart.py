@@ -78,9 +78,7 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, run) -> None:
     mode="local" on a 2 x 2 mesh (FSDP2 inside; killed mid-round, the job restarts once from its
     DCP checkpoint; the fast tier resumes meshes from DCP in tests/test_local_mesh_checkpoints.py)."""
     nproc, restarts, extra = RUNS[run]
-    reference = torchrun(tmp_path, "uninterrupted", nproc, restarts, *extra)
-    finish(reference, tmp_path, "uninterrupted")
-
+    reference = torchrun(tmp_path, "uninterrupted", nproc, restarts, *extra)  # beside the killed run
     run = torchrun(tmp_path, "killed", nproc, restarts, *extra)
     latest = tmp_path / "killed" / "ckpt" / "latest"
     deadline = time.monotonic() + 200
@@ -92,6 +90,7 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path, run) -> None:
     os.kill(victim, signal.SIGKILL)
     log = finish(run, tmp_path, "killed")
     assert "resumed from" in log, log[-3000:]
+    finish(reference, tmp_path, "uninterrupted")
 
     expected = torch.load(tmp_path / "uninterrupted" / "final.pt", weights_only=True)
     actual = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)

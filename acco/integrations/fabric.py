@@ -71,9 +71,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("acco.integrations.fabric needs lightning: pip install 'acco[lightning]'") from error
 
 from acco import AccoOptimizer, Mode, RoundKind
-from acco.integrations.schedules import (UpdateRounds, acco_from_optimizer, check_acco_kwargs, check_micro_batches,
-                                         check_precision, rounds_per_update)
-from acco.options import LOCKSTEP, parse_enum
+from acco.integrations.schedules import (FRAMEWORK_PACING, UpdateRounds, acco_from_optimizer, check_acco_kwargs,
+                                         check_micro_batches, check_precision, rounds_per_update)
+from acco.options import parse_enum
 
 __all__ = ["AccoFabricStrategy"]
 
@@ -145,7 +145,7 @@ class AccoFabricStrategy(DDPStrategy):
             check_micro_batches(self.mode, accumulate_grad_batches, "accumulate_grad_batches", "or mode='dpu'")
         self.accumulate_grad_batches = 1 if accumulate_grad_batches is None else accumulate_grad_batches
         if self.mode is Mode.LOCAL:
-            self.acco_kwargs.setdefault("pacing", LOCKSTEP)
+            self.acco_kwargs.setdefault("pacing", FRAMEWORK_PACING)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,

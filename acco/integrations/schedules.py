@@ -31,7 +31,11 @@ from acco import AccoOptimizer, Mode
 from acco.optim import LOOPS
 from acco.options import LOCKSTEP, Options
 
-__all__ = ["CommitScheduler", "HandOverScheduler", "UpdateRounds", "acco_from_optimizer", "check_acco_kwargs", "check_micro_batches",
+# mode="local" under a framework's Trainer: its logging, evaluation and checkpoints run collectives
+# at step counts, which meet every replica only when replicas take equal steps.
+FRAMEWORK_PACING = LOCKSTEP
+
+__all__ = ["FRAMEWORK_PACING", "CommitScheduler", "HandOverScheduler", "UpdateRounds", "acco_from_optimizer", "check_acco_kwargs", "check_micro_batches",
            "check_precision", "require_lockstep", "round_ends", "rounds_per_update"]
 
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
@@ -348,6 +352,6 @@ def require_lockstep(acco_kwargs: dict[str, Any], refusal: str) -> None:
         ValueError: ``refusal`` formatted with ``pacing``, for any pacing that gives replicas
             different numbers of inner steps.
     """
-    pacing = acco_kwargs.setdefault("pacing", LOCKSTEP)
+    pacing = acco_kwargs.setdefault("pacing", FRAMEWORK_PACING)
     if pacing != LOCKSTEP and not (isinstance(pacing, (list, tuple)) and len(set(pacing)) == 1):
         raise ValueError(refusal.format(pacing=pacing))
