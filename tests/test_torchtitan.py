@@ -17,12 +17,14 @@ takes a fraction of a second on CPU:
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,31 @@ def job_checkpointed(root: str, resume: bool, steps: int, modes: tuple[str, ...]
     return finals
 
 
+def job_initial_load(root: str) -> dict[str, float]:
+    """A model-only checkpoint of a run that moved far from the initial values (sync mode, lr
+    1e-2, 3 steps), then a new run in ``acco`` mode from it (``checkpoint.initial_load_path``,
+    2 steps at lr 8e-4): how far the first run moved, and how far the second ended from the
+    values it loaded."""
+    from acco.integrations.torchtitan import AccoTrainer, acco_adamw
+
+    first = _config(os.path.join(root, "first"), "sync", steps=3)
+    first.optimizer = acco_adamw(mode="sync", lr=1e-2, implementation="for-loop")
+    first.checkpoint.enable = True
+    first.checkpoint.interval = 3
+    first.checkpoint.last_save_model_only = True
+    trainer = AccoTrainer(copy.deepcopy(first))  # the initial values
+    try:
+        initial = {name: _full(p).clone() for name, p in trainer.model_parts[0].named_parameters()}
+    finally:
+        trainer.close()
+    _, loaded = _train(first)
+    second = _config(os.path.join(root, "second"), "acco", steps=2)
+    second.checkpoint.enable = True
+    second.checkpoint.initial_load_path = os.path.join(root, "first", "checkpoint", "step-3")
+    _, ended = _train(second)
+    return {"moved": _max_difference(loaded, initial), "from_loaded": _max_difference(ended, loaded)}
+
+
 def job_mesh(root: str, steps: int) -> tuple[list[float], str]:
     """2 replica groups of 2 FSDP2 ranks, acco mode: the losses and a digest of the final
     parameters (the same on every rank)."""
@@ -168,10 +195,42 @@ def job_mesh(root: str, steps: int) -> tuple[list[float], str]:
     config.parallelism.data_parallel_replicate_degree = 2
     config.parallelism.data_parallel_shard_degree = 2
     losses, params = _train(config)
+    return losses, _digest(params)
+
+
+def job_elastic_group(root: str, lighthouse: str, group: int, steps: int) -> dict[str, Any]:
+    """One replica group of an elastic job (its own one-process "torchrun" job), local mode,
+    an outer round every 2 steps through torchft: its losses, the participants of each
+    round, and a digest of its final parameters."""
+    config = _config(os.path.join(root, f"group-{group}"), "local", steps=steps, sync_every=2, elastic=True,
+                     lighthouse=lighthouse, hostname="localhost", replica_group=group, replica_groups=2,
+                     collective_timeout_seconds=60.0)  # fmt: skip
+    rounds: list[tuple[int, bool, bool]] = []
+    losses, params = _train(config, _recording_rounds(rounds))
+    return {"losses": losses, "rounds": rounds, "digest": _digest(params)}
+
+
+def _recording_rounds(participants: list[tuple[int, bool, bool]]) -> Any:
+    from acco.integrations.torchtitan import AccoTrainer
+
+    class Recording(AccoTrainer):
+        def train(self) -> None:
+            try:
+                super().train()
+            finally:
+                acco = self.optimizers.acco
+                rounds = acco.round_stats if acco is not None else ()
+                participants.extend((r.participants, r.dropped, r.content_heal) for r in rounds
+                                    if r.participants is not None)  # fmt: skip
+
+    return Recording
+
+
+def _digest(params: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(params):
         digest.update(params[name].numpy().tobytes())
-    return losses, digest.hexdigest()
+    return digest.hexdigest()
 
 
 def _falls(curve: list[float]) -> bool:
@@ -220,6 +279,15 @@ def test_checkpoint_resumes_exactly(tmp_path: Path, steps: int, modes: tuple[str
             assert difference <= 1e-6, (mode, difference)
 
 
+@pytest.mark.stress
+def test_initial_load_is_what_acco_trains_from(tmp_path: Path) -> None:
+    """A model-only load before the first step (initial weights) rebuilds acco from them: in
+    acco mode, whose master shards are its own, training goes on from the loaded values."""
+    for rank in run_fresh(job_initial_load, str(tmp_path), timeout=800):
+        assert rank["moved"] > 1e-2, rank  # the loaded values are far from the initial ones
+        assert rank["from_loaded"] < rank["moved"] / 5, rank  # 2 steps at lr 8e-4 from them
+
+
 @pytest.mark.parametrize("steps", [4, pytest.param(10, marks=pytest.mark.stress)])
 def test_mesh_2x2_trains(tmp_path: Path, steps: int) -> None:
     results = run_fresh(job_mesh, str(tmp_path), steps, world_size=4, timeout=800)
@@ -227,6 +295,34 @@ def test_mesh_2x2_trains(tmp_path: Path, steps: int) -> None:
     assert len(losses) == steps
     assert _falls(losses), losses
     assert len({digest for _, digest in results}) == 1  # every rank ends with the same parameters
+
+
+@pytest.mark.parametrize("steps", [4, pytest.param(10, marks=pytest.mark.stress)])
+def test_elastic_groups_train_together(tmp_path: Path, steps: int) -> None:
+    """Two replica groups, each its own job, with ``optimizer.elastic`` (torchft's lighthouse in
+    this process): every outer round has both, the loss falls, and both end with the same
+    parameters."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse, read when its library loads
+    pytest.importorskip("torchft")
+    from tests.test_elastic import after_join, lighthouse
+
+    server = lighthouse()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run_fresh, job_elastic_group, str(tmp_path), server.address(), group, steps,
+                                world_size=1, timeout=800) for group in range(2)]  # fmt: skip
+            groups = [run.result()[0] for run in runs]
+    finally:
+        server.shutdown()
+    for group in groups:
+        assert len(group["losses"]) == steps
+        assert _falls(group["losses"]), group["losses"]
+        # From the first round with both groups (the one that starts first tries it alone, dropped,
+        # until the other is there): one every 2 steps and finish()'s, every one with both.
+        rounds = after_join(group["rounds"])
+        assert len(rounds) == 1 + steps // 2 + 1, group["rounds"]
+        assert all(p == 2 and not dropped and not healed for p, dropped, healed in rounds), group["rounds"]
+    assert groups[0]["digest"] == groups[1]["digest"]
 
 
 def test_documented_command(tmp_path: Path) -> None:
@@ -271,6 +367,25 @@ def _refused(config: Any, match: str) -> None:
 def test_refusals(tmp_path: Path, change: Any, match: str) -> None:
     config = _config(str(tmp_path), "local" if match == "outer_bits" else "acco", steps=2)
     change(config)
+    _refused(config, match)
+
+
+@pytest.mark.parametrize("mode, change, match", [
+    ("acco", {}, "optimizer.elastic with optimizer.mode='acco'"),
+    ("local", {"replica_group": 2}, "replica_group"),
+    ("local", {"outer_bits": 32}, "outer_bits with membership"),
+    ("local", {"sync_delay": 1}, "sync_delay with membership"),
+    ("local", {"quorum_timeout_seconds": 900.0}, "quorum_timeout"),
+    ("local", {"parallelism": 2}, "replica groups in one job"),
+], ids=["not_local", "group_index", "outer_bits_32", "sync_delay", "quorum_past_timeout", "two_groups_in_a_job"])
+def test_elastic_refusals(tmp_path: Path, mode: str, change: dict[str, Any], match: str) -> None:
+    """Refused before any process group, so before the lighthouse is asked (none runs here)."""
+    pytest.importorskip("torchft")
+    replicate = change.pop("parallelism", None)
+    config = _config(str(tmp_path), mode, steps=2, elastic=True, lighthouse="http://localhost:1", replica_groups=2,
+                     **change)  # fmt: skip
+    if replicate is not None:
+        config.parallelism.data_parallel_replicate_degree = replicate
     _refused(config, match)
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,9 +31,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizer import OptimizersContainer
 
 from acco import AccoOptimizer, Mode
+from acco.elastic import TorchFT
 from acco.integrations.schedules import (UpdateRounds, acco_from_optimizer, check_acco_kwargs, check_micro_batches,
                                          rounds_per_update)
 from acco.options import DEFAULT_OUTER, DEFAULT_OUTER_BITS, DEFAULT_SYNC_EVERY, LOCKSTEP
@@ -104,6 +108,36 @@ class AccoOptimizersContainer(OptimizersContainer):
         outer_momentum: float | None = None
         """mode='local': its momentum (None: acco's default)."""
 
+        elastic: bool = False
+        """mode='local': this torchrun job is one replica group of an elastic job; torchft's
+        lighthouse decides which groups take part in each outer round
+        (:meth:`acco.elastic.TorchFT.connect`), and a group lost goes on without stopping the
+        others (docs/torchtitan.md, "Elastic replica groups")."""
+
+        lighthouse: str | None = None
+        """elastic: the lighthouse's address (None: $TORCHFT_LIGHTHOUSE)."""
+
+        hostname: str | None = None
+        """elastic: this machine's address as the other groups reach it (None: its name)."""
+
+        replica_group: int = 0
+        """elastic: this job's index among the replica groups (its torchft replica id
+        ``replica-<index>`` and its part of the data)."""
+
+        replica_groups: int = 1
+        """elastic: the replica groups of the job: the data is split into that many parts, and a
+        fresh job's first outer round waits for them all."""
+
+        min_replicas: int = 1
+        """elastic: a round lands only with at least this many groups (torchft's ``min_replica_size``)."""
+
+        quorum_timeout_seconds: float = 120.0
+        """elastic: how long an outer round waits for torchft's quorum (longer than a group's
+        inner steps of a round; below timeout_seconds)."""
+
+        collective_timeout_seconds: float = 30.0
+        """elastic: the most one collective between groups, or a commit vote, waits (a hung peer)."""
+
         def acco_kwargs(self) -> dict[str, Any]:
             """The AccoOptimizer keywords these fields give (checked by ``AccoOptimizer``'s own
             checks; the mode's own ones only in that mode, so every mode runs from one config)."""
@@ -132,33 +166,70 @@ class AccoOptimizersContainer(OptimizersContainer):
         if len(self.optimizers) != 1:
             names = sorted({type(o).__name__ for o in self.optimizers})
             raise ValueError(f"AccoOptimizersContainer needs every param group on one optimizer class, not {names}")
+        # The plain optimizer the LR schedules are built on; acco takes over its param groups.
+        self._plain = self.optimizers[0]
         self.mode = Mode(config.mode)
         self.max_grad_norm = config.max_grad_norm
         self._acco_kwargs = config.acco_kwargs()
+        self._elastic = config if config.elastic else None
+        self.membership: TorchFT | None = None
         self.acco: AccoOptimizer | None = None
+        self._start: dict[str, Any] = {}
         self.update_rounds: UpdateRounds | None = None
         self._finished = False
 
-    def start(self, *, process_group: ProcessGroup | None, micro_batches: int, max_norm: float) -> None:
+    def start(self, *, process_group: ProcessGroup | None, micro_batches: int, max_norm: float,
+              healed: dict[str, Stateful] | None = None) -> None:
         """Build the AccoOptimizer over the plain optimizer's param groups, across
         ``process_group`` (the mesh's replicate dimension), ``micro_batches`` (K) per update
         and rank, clipping to ``max_grad_norm`` or else ``max_norm`` (``training.max_norm``).
 
-        .. warning:: Collective (acco's construction broadcasts rank 0's parameters): every
-            rank calls it.
+        With ``elastic`` it first connects this replica group to torchft's lighthouse
+        (:meth:`acco.elastic.TorchFT.connect`); a group torchrun has restarted
+        (``TORCHELASTIC_RESTART_COUNT`` > 0) must heal from a peer, and takes with acco's state
+        the peer's ``healed`` states (the trainer's step, the LR schedules), so it steps in
+        line with the others.
+
+        .. warning:: Collective (acco's construction broadcasts rank 0's parameters; elastic:
+            its first outer round): every rank calls it.
         """
         check_micro_batches(self.mode, micro_batches, "gradient accumulation steps (global_batch_size / "
                             "(local_batch_size x data-parallel degree))", "or --optimizer.mode dpu")
-        plain = self.optimizers[0]
+        plain = self._plain
         for group in plain.param_groups:
             # FQNs torchtitan records for its own checkpoints: acco's base optimizer sees a shard.
             group.pop("param_names", None)
+        self._start = {"process_group": process_group, "micro_batches": micro_batches, "max_norm": max_norm}
         clip = self.max_grad_norm if self.max_grad_norm is not None else max_norm
-        self.acco = acco_from_optimizer(plain, module=self.model_parts[0], mode=self.mode,
-                                        max_grad_norm=float(clip) if clip else None,
-                                        process_group=process_group, **self._acco_kwargs)  # fmt: skip
+        kwargs = dict(self._acco_kwargs)
+        if self._elastic is not None:
+            kwargs["membership"] = self.membership = _connect(self._elastic, healed or {})
+        try:
+            self.acco = acco_from_optimizer(plain, module=self.model_parts[0], mode=self.mode,
+                                            max_grad_norm=float(clip) if clip else None,
+                                            process_group=process_group, **kwargs)  # fmt: skip
+        except BaseException:
+            self._close_membership()
+            raise
         self.update_rounds = UpdateRounds(self.acco.step, rounds_per_update(self.mode), micro_batches)
         self.optimizers = [self.acco]  # type: ignore[list-item]
+
+    def restart_from_model(self) -> None:
+        """Build the AccoOptimizer again from the model's parameters as they are now: after a
+        model-only load before the first step (``checkpoint.initial_load_path``, Hugging Face
+        weights, a seed checkpoint), which changed the parameters the master shards were read
+        from (``sync`` and ``dpu`` mode reread theirs, ``acco`` and ``local`` mode keep their own).
+
+        .. warning:: Collective (acco's construction): every rank calls it.
+        """
+        acco = self.require_acco()
+        if acco.num_updates or acco.in_flight is not None or self._finished:
+            raise RuntimeError("restart_from_model() before the first step only")
+        if self._elastic is not None:
+            raise RuntimeError("restart_from_model() with optimizer.elastic: refused by the trainer's checks")
+        acco.close()
+        self.acco = None
+        self.start(healed=None, **self._start)
 
     def require_acco(self) -> AccoOptimizer:
         if self.acco is None:
@@ -223,20 +294,55 @@ class AccoOptimizersContainer(OptimizersContainer):
 
     def finish(self) -> None:
         """Land the last update: the model holds the last committed parameters (``local``: the
-        same global values on every replica). Collective; idempotent."""
+        same global values on every replica; elastic: on every group of the last round).
+        Collective; idempotent."""
         if self.acco is not None and not self._finished:
             self._finished = True
-            self.acco.finish()
+            try:
+                self.acco.finish()
+            finally:
+                self._close_membership()
 
     def close(self) -> None:
         """Stop acco with no collective (after an error); idempotent."""
         if self.acco is not None and not self._finished:
             self._finished = True
-            self.acco.close()
+            try:
+                self.acco.close()
+            finally:
+                self._close_membership()
+
+    def _close_membership(self) -> None:
+        if self.membership is not None:
+            self.membership.close()
+            self.membership = None
 
 
 # Inside a step folder of torchtitan's checkpoint: acco's own DCP checkpoint (acco.checkpoint).
 ACCO_CHECKPOINT_DIR = "acco"
+# Set by torchrun in the processes it restarts (--max-restarts): how many times it has.
+_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restarted() -> bool:
+    """Whether torchrun has restarted this job (an elastic replica group that must heal)."""
+    return int(os.environ.get(_RESTART_COUNT, "0") or 0) > 0
+
+
+def _connect(config: AccoOptimizersContainer.Config, healed: dict[str, Stateful]) -> TorchFT:
+    """This replica group's torchft membership (every rank of the job calls it), with the
+    states a group that heals takes from its peer besides acco's."""
+    again = restarted()
+    membership = TorchFT.connect(
+        f"replica-{config.replica_group}", lighthouse=config.lighthouse, min_replicas=config.min_replicas,
+        start_with=1 if again else config.replica_groups, must_heal=again,
+        timeout=datetime.timedelta(seconds=config.collective_timeout_seconds),
+        quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_seconds), hostname=config.hostname,
+    )  # fmt: skip
+    for name, state in healed.items():
+        # torchft calls these when this group heals from a peer (before acco's first round).
+        membership.manager.register_state_dict_fn(f"torchtitan.{name}", state.load_state_dict, state.state_dict)
+    return membership
 
 
 def check_container_config(config: AccoOptimizersContainer.Config) -> None:
@@ -257,7 +363,31 @@ def check_container_config(config: AccoOptimizersContainer.Config) -> None:
         raise ValueError(f"Invalid optimizer.max_grad_norm: {config.max_grad_norm}")
     if config.timeout_seconds <= 0:
         raise ValueError(f"Invalid optimizer.timeout_seconds: {config.timeout_seconds}")
-    check_acco_kwargs(mode, config.acco_kwargs())
+    if config.elastic:
+        _check_elastic(config, mode)
+    membership = None
+    if config.elastic:  # what TorchFT.connect() will make, unconnected, checked as acco will check it
+        membership = TorchFT(None, None, start_with=config.replica_groups)
+        membership.quorum_timeout = datetime.timedelta(seconds=config.quorum_timeout_seconds)
+    check_acco_kwargs(mode, config.acco_kwargs(), membership=membership)
+
+
+def _check_elastic(config: AccoOptimizersContainer.Config, mode: Mode) -> None:
+    if mode is not Mode.LOCAL:
+        raise ValueError(f"Invalid optimizer.elastic with optimizer.mode={config.mode!r}: elastic replica groups "
+                         "take part in local mode's outer rounds ('local')")
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError("Invalid optimizer.elastic: torchft is not installed (pip install 'acco[ft]')")
+    if not isinstance(config.replica_groups, int) or config.replica_groups < 1:
+        raise ValueError(f"Invalid optimizer.replica_groups: {config.replica_groups!r} (an int >= 1)")
+    if not isinstance(config.replica_group, int) or not 0 <= config.replica_group < config.replica_groups:
+        raise ValueError(f"Invalid optimizer.replica_group: {config.replica_group!r} (0 to replica_groups - 1 = "
+                         f"{config.replica_groups - 1})")
+    if not isinstance(config.min_replicas, int) or config.min_replicas < 1:
+        raise ValueError(f"Invalid optimizer.min_replicas: {config.min_replicas!r} (an int >= 1)")
+    for name in ("quorum_timeout_seconds", "collective_timeout_seconds"):
+        if not getattr(config, name) > 0:
+            raise ValueError(f"Invalid optimizer.{name}: {getattr(config, name)!r} (seconds, > 0)")
 
 
 def acco_adamw(mode: str = "acco", lr: float = 8e-4, **kwargs: Any) -> AccoOptimizersContainer.Config:

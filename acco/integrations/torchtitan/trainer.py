@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import Configurable
 from torchtitan.distributed import ParallelDims, utils as dist_utils
 from torchtitan.trainer import Trainer
 
@@ -104,9 +105,10 @@ class AccoCheckpointManager(CheckpointManager):
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, *args: Any, **kwargs: Any) -> None:
         super().dcp_load(state_dict, checkpoint_id, *args, **kwargs)
-        if "optimizer" not in state_dict:
-            return  # a model-only load (step 0, initial_load_path)
         container = self.states["optimizer"]
+        if "optimizer" not in state_dict:  # a model-only load before the first step (step 0, initial_load_path)
+            container.restart_from_model()  # acco reads the loaded parameters
+            return
         directory = Path(checkpoint_id) / ACCO_CHECKPOINT_DIR
         if not (directory / ".metadata").is_file():
             raise ValueError(f"{checkpoint_id} holds no acco state ({ACCO_CHECKPOINT_DIR}/): not written by "
@@ -140,11 +142,18 @@ class AccoTrainer(Trainer):
         assert spec is not None
         config.model_spec = dataclasses.replace(spec, parallelize_fn=functools.partial(_inside_replica_group,
                                                                                       spec.parallelize_fn))
+        elastic = config.optimizer.elastic
+        if elastic:  # this job is one replica group: its ranks read their group's part of the data
+            config.dataloader = _DataOfReplicaGroup.Config(loader=config.dataloader,
+                                                           group=config.optimizer.replica_group,
+                                                           groups=config.optimizer.replica_groups)  # fmt: skip
         super().__init__(config)
         dims = self.parallel_dims
         group = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate > 1 else _own_group()
+        # A restarted elastic group heals the trainer's step and the schedules with acco's state.
+        healed = {"train_state": self, "lr_scheduler": self.lr_schedulers} if elastic else None
         self.optimizers.start(process_group=group, micro_batches=self.gradient_accumulation_steps,
-                              max_norm=config.training.max_norm)  # fmt: skip
+                              max_norm=config.training.max_norm, healed=healed)  # fmt: skip
         if config.validator.enable:
             self.validator = _CommittedValidator(self.validator, self.optimizers)
 
@@ -248,6 +257,24 @@ class _CommittedValidator:
         return getattr(self._validator, name)
 
 
+class _DataOfReplicaGroup(Configurable):
+    """An elastic job's data: each replica group (its own torchrun job, whose batch mesh
+    spans its own ranks alone) reads its own part, ``group`` of ``groups``, split further
+    over its ranks as torchtitan splits it (torchtitan's torchft trainer re-ranks the same way)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        loader: Any = None
+        """The data loader's own config."""
+
+        group: int = 0
+        groups: int = 1
+
+        def build(self, *, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
+            return self.loader.build(dp_world_size=dp_world_size * self.groups,
+                                     dp_rank=self.group * dp_world_size + dp_rank, **kwargs)  # fmt: skip
+
+
 class _ReplicaGroupDims:
     """``ParallelDims`` as a model's ``parallelize`` function sees it under acco: without the
     replicate dimension, so FSDP2 shards over ``fsdp`` (the group's ranks) only."""
@@ -304,6 +331,10 @@ def check_trainer_config(config: Trainer.Config) -> None:
             raise ValueError(f"Invalid {name}={value!r} for acco: only {supported!r} is supported "
                              "(docs/torchtitan.md, 'Refused')")
     if config.checkpoint.enable:
+        if config.optimizer.elastic and (config.checkpoint.initial_load_path or config.checkpoint.initial_load_in_hf):
+            raise ValueError("Invalid checkpoint.initial_load_path / initial_load_in_hf with optimizer.elastic: the "
+                             "groups' first outer round runs before the initial weights load; load them into every "
+                             "group's model before training (docs/torchtitan.md)")  # fmt: skip
         if not isinstance(config.checkpoint, AccoCheckpointManager.Config):
             raise ValueError(f"Invalid checkpoint config {type(config.checkpoint).__qualname__} for AccoTrainer: "
                              "use AccoCheckpointManager.Config, which saves acco's state")
@@ -312,6 +343,15 @@ def check_trainer_config(config: Trainer.Config) -> None:
     if replicate == -1 and shard == -1:
         raise ValueError("Invalid parallelism: data_parallel_replicate_degree and data_parallel_shard_degree are "
                          "both -1; give the shard degree (ranks of FSDP2 inside a replica group)")
+    if config.optimizer.elastic:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        others = max(shard, 1) * parallelism.tensor_parallel_degree
+        groups = replicate if replicate != -1 else (world_size // others if shard != -1 else 1)
+        if groups != 1:
+            raise ValueError(f"Invalid parallelism for optimizer.elastic: {groups} replica groups in one job of "
+                             f"{world_size} ranks (data_parallel_replicate_degree={replicate}, "
+                             f"data_parallel_shard_degree={shard}); an elastic job's replica groups are torchrun jobs "
+                             "of their own: give each one data_parallel_shard_degree = its ranks")  # fmt: skip
     mode = Mode(config.optimizer.mode)
     micro_batches = _micro_batches(config)
     if micro_batches is not None:
