@@ -36,7 +36,7 @@ pytest.importorskip("triton")  # torchtitan's Trainer imports it (an expert-para
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.ranks import ROOT, run_fresh  # noqa: E402
+from tests.ranks import ROOT, RankLost, run_fresh  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -198,30 +198,41 @@ def job_mesh(root: str, steps: int) -> tuple[list[float], str]:
     return losses, _digest(params)
 
 
-def job_elastic_group(root: str, lighthouse: str, group: int, steps: int) -> dict[str, Any]:
+def job_elastic_group(root: str, lighthouse: str, group: int, steps: int, die_at: int | None = None,
+                      restarted: bool = False) -> dict[str, Any]:
     """One replica group of an elastic job (its own one-process "torchrun" job), local mode,
-    an outer round every 2 steps through torchft: its losses, the participants of each
-    round, and a digest of its final parameters."""
+    an outer round every 2 steps through torchft: its losses, its rounds (participants,
+    dropped, healed by content), the step it started at (a restarted group: its peer's) and a
+    digest of its final parameters. ``die_at``: the process exits after that step, as a
+    crashed job would; ``restarted``: torchrun's mark of a job it restarted."""
+    if restarted:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
     config = _config(os.path.join(root, f"group-{group}"), "local", steps=steps, sync_every=2, elastic=True,
                      lighthouse=lighthouse, hostname="localhost", replica_group=group, replica_groups=2,
                      collective_timeout_seconds=60.0)  # fmt: skip
-    rounds: list[tuple[int, bool, bool]] = []
-    losses, params = _train(config, _recording_rounds(rounds))
-    return {"losses": losses, "rounds": rounds, "digest": _digest(params)}
+    record: dict[str, Any] = {"rounds": []}
+    losses, params = _train(config, _recording(record, die_at))
+    return {"losses": losses, "digest": _digest(params), **record}
 
 
-def _recording_rounds(participants: list[tuple[int, bool, bool]]) -> Any:
+def _recording(record: dict[str, Any], die_at: int | None) -> Any:
     from acco.integrations.torchtitan import AccoTrainer
 
     class Recording(AccoTrainer):
         def train(self) -> None:
+            record["first_step"] = self.step + 1
             try:
                 super().train()
             finally:
                 acco = self.optimizers.acco
                 rounds = acco.round_stats if acco is not None else ()
-                participants.extend((r.participants, r.dropped, r.content_heal) for r in rounds
-                                    if r.participants is not None)  # fmt: skip
+                record["rounds"] += [(r.participants, r.dropped, r.content_heal) for r in rounds
+                                     if r.participants is not None]  # fmt: skip
+
+        def train_step(self, data_iterator: Any) -> None:
+            super().train_step(data_iterator)
+            if self.step == die_at:
+                os._exit(1)
 
     return Recording
 
@@ -315,6 +326,7 @@ def test_elastic_groups_train_together(tmp_path: Path, steps: int) -> None:
     finally:
         server.shutdown()
     for group in groups:
+        assert group["first_step"] == 1
         assert len(group["losses"]) == steps
         assert _falls(group["losses"]), group["losses"]
         # From the first round with both groups (the one that starts first tries it alone, dropped,
@@ -323,6 +335,38 @@ def test_elastic_groups_train_together(tmp_path: Path, steps: int) -> None:
         assert len(rounds) == 1 + steps // 2 + 1, group["rounds"]
         assert all(p == 2 and not dropped and not healed for p, dropped, healed in rounds), group["rounds"]
     assert groups[0]["digest"] == groups[1]["digest"]
+
+
+@pytest.mark.stress
+def test_elastic_group_restarted_heals(tmp_path: Path) -> None:
+    """Group 1's job exits after step 5; group 0 goes on alone; group 1's job, started again as
+    torchrun restarts one, takes acco's state, the trainer's step and the LR schedules from
+    group 0, trains with it to the end, and both end with the same parameters."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse, read when its library loads
+    pytest.importorskip("torchft")
+    from tests.test_elastic import lighthouse
+
+    steps = 16
+    server = lighthouse()
+
+    def group_1() -> dict[str, Any]:
+        with pytest.raises(RankLost, match="died"):
+            run_fresh(job_elastic_group, str(tmp_path), server.address(), 1, steps, 5, world_size=1, timeout=800)
+        return run_fresh(job_elastic_group, str(tmp_path), server.address(), 1, steps, None, True, world_size=1,
+                         timeout=800)[0]  # fmt: skip
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run_fresh, job_elastic_group, str(tmp_path), server.address(), 0, steps, world_size=1,
+                                timeout=800), pool.submit(group_1)]  # fmt: skip
+            survivor, restarted = runs[0].result()[0], runs[1].result()
+    finally:
+        server.shutdown()
+    assert len(survivor["losses"]) == steps and _falls(survivor["losses"]), survivor["losses"]
+    assert any(p == 1 and not dropped for p, dropped, _ in survivor["rounds"]), survivor["rounds"]  # alone a while
+    assert restarted["first_step"] > 6, restarted["first_step"]  # the survivor's step, not 1
+    assert len(restarted["losses"]) == steps - restarted["first_step"] + 1
+    assert survivor["digest"] == restarted["digest"]
 
 
 def test_documented_command(tmp_path: Path) -> None:
