@@ -14,7 +14,10 @@ Train torchtitan's llama3 debug model on 2 CPU ranks (or GPUs) in any mode::
   micro-batch's backward to acco, clips in acco, and validates and checkpoints the committed
   parameters; acco across the replicate dimension, FSDP2 (and TP) inside a group.
 - :class:`AccoCheckpointManager`: torchtitan's DCP checkpoints with acco's state in each
-  step folder; a resumed run continues exactly.
+  step folder; a resumed run continues exactly; initial weights (a model-only load) rebuild acco.
+- Elastic replica groups (``--optimizer.mode local --optimizer.elastic``): each torchrun job is
+  one group of an elastic job on torchft (:class:`acco.elastic.TorchFT`), a restarted group
+  heals from a peer.
 - :mod:`.data`: a byte tokenizer and the standard library's documentation as text.
 - :mod:`.config_registry`: ``acco_llama3_debugmodel``, ``acco_llama3_8b``.
 

@@ -324,7 +324,7 @@ ACCO_CHECKPOINT_DIR = "acco"
 _RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
-def restarted() -> bool:
+def _restarted() -> bool:
     """Whether torchrun has restarted this job (an elastic replica group that must heal)."""
     return int(os.environ.get(_RESTART_COUNT, "0") or 0) > 0
 
@@ -332,7 +332,7 @@ def restarted() -> bool:
 def _connect(config: AccoOptimizersContainer.Config, healed: dict[str, Stateful]) -> TorchFT:
     """This replica group's torchft membership (every rank of the job calls it), with the
     states a group that heals takes from its peer besides acco's."""
-    again = restarted()
+    again = _restarted()
     membership = TorchFT.connect(
         f"replica-{config.replica_group}", lighthouse=config.lighthouse, min_replicas=config.min_replicas,
         start_with=1 if again else config.replica_groups, must_heal=again,
@@ -363,10 +363,10 @@ def check_container_config(config: AccoOptimizersContainer.Config) -> None:
         raise ValueError(f"Invalid optimizer.max_grad_norm: {config.max_grad_norm}")
     if config.timeout_seconds <= 0:
         raise ValueError(f"Invalid optimizer.timeout_seconds: {config.timeout_seconds}")
+    membership = None
     if config.elastic:
         _check_elastic(config, mode)
-    membership = None
-    if config.elastic:  # what TorchFT.connect() will make, unconnected, checked as acco will check it
+        # What TorchFT.connect() will make, unconnected: acco checks it as it will check that one.
         membership = TorchFT(None, None, start_with=config.replica_groups)
         membership.quorum_timeout = datetime.timedelta(seconds=config.quorum_timeout_seconds)
     check_acco_kwargs(mode, config.acco_kwargs(), membership=membership)

@@ -20,6 +20,10 @@ What changes against torchtitan's own step (docs/torchtitan.md has the whole sto
 - validation and checkpoints see the committed parameters (``mode="local"``: the global
   values); the live ones (an acco estimate) go into acco's checkpoint, so a resumed run
   continues exactly. At the end of training ``finish()`` lands the last update.
+- a model-only load before the first step (initial weights) builds acco again from them.
+- ``optimizer.elastic``: this job is one replica group of an elastic job; its ranks read the
+  group's part of the data, and a restarted group heals the trainer's step and the LR
+  schedules from a peer with acco's state (:class:`AccoOptimizersContainer`).
 - on a machine with no accelerator torchtitan falls back to ``device_type = "cuda"``;
   :func:`use_cpu_without_accelerator` points it at the CPU (gloo) instead. On torch 2.13
   (torchtitan 0.3 asks for a nightly) :func:`set_timeouts_on_this_torch` stands in for the
@@ -30,7 +34,8 @@ context and expert parallelism, an ``spmd_backend`` other than ``partial_dtensor
 graphs, FSDP's CPU offload, asynchronous checkpoints, an optimizer config that is not
 :class:`AccoOptimizersContainer`'s, a checkpoint config that is not
 :class:`AccoCheckpointManager`'s (with checkpoints enabled), and an odd number of
-micro-batches per step in ``acco`` mode.
+micro-batches per step in ``acco`` mode; with ``optimizer.elastic``, more than one replica
+group in a job and initial weights.
 """
 
 from __future__ import annotations
