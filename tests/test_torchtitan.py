@@ -421,15 +421,21 @@ def test_refusals(tmp_path: Path, change: Any, match: str) -> None:
     ("local", {"sync_delay": 1}, "sync_delay with membership"),
     ("local", {"quorum_timeout_seconds": 900.0}, "quorum_timeout"),
     ("local", {"parallelism": 2}, "replica groups in one job"),
-], ids=["not_local", "group_index", "outer_bits_32", "sync_delay", "quorum_past_timeout", "two_groups_in_a_job"])
+    ("local", {"initial_load_path": "weights"}, "initial_load_path"),
+], ids=["not_local", "group_index", "outer_bits_32", "sync_delay", "quorum_past_timeout", "two_groups_in_a_job",
+        "initial_weights"])
 def test_elastic_refusals(tmp_path: Path, mode: str, change: dict[str, Any], match: str) -> None:
     """Refused before any process group, so before the lighthouse is asked (none runs here)."""
     pytest.importorskip("torchft")
     replicate = change.pop("parallelism", None)
+    initial = change.pop("initial_load_path", None)
     config = _config(str(tmp_path), mode, steps=2, elastic=True, lighthouse="http://localhost:1", replica_groups=2,
                      **change)  # fmt: skip
     if replicate is not None:
         config.parallelism.data_parallel_replicate_degree = replicate
+    if initial is not None:
+        config.checkpoint.enable = True
+        config.checkpoint.initial_load_path = initial
     _refused(config, match)
 
 
