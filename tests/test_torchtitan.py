@@ -273,7 +273,8 @@ def test_modes_train(tmp_path: Path, steps: int) -> None:
 
 
 @pytest.mark.timeout(1800)  # two launches
-@pytest.mark.parametrize("steps, modes", [(4, ("acco",)), pytest.param(20, ("acco", "local"), marks=pytest.mark.stress)])
+@pytest.mark.parametrize("steps, modes", [(4, ("acco",)),
+                                          pytest.param(20, ("acco", "local"), marks=pytest.mark.stress)])
 def test_checkpoint_resumes_exactly(tmp_path: Path, steps: int, modes: tuple[str, ...]) -> None:
     """The bar's 10 -> 20 in acco and local mode in the stress tier; 2 -> 4 in acco mode (a
     round in flight at the checkpoint) in the fast tier."""

@@ -145,10 +145,14 @@ class AccoTrainer(Trainer):
         # replicate dimension (torchtitan's own would build HSDP across it).
         spec = config.model_spec
         assert spec is not None
-        config.model_spec = dataclasses.replace(spec, parallelize_fn=functools.partial(_inside_replica_group,
-                                                                                      spec.parallelize_fn))
+        parallelize = spec.parallelize_fn
+        wrapped = isinstance(parallelize, functools.partial) and parallelize.func is _inside_replica_group
+        if not wrapped:  # (a config built into a trainer before is wrapped already)
+            config.model_spec = dataclasses.replace(spec, parallelize_fn=functools.partial(_inside_replica_group,
+                                                                                          spec.parallelize_fn))
         elastic = config.optimizer.elastic
-        if elastic:  # this job is one replica group: its ranks read their group's part of the data
+        if elastic and not isinstance(config.dataloader, _DataOfReplicaGroup.Config):
+            # this job is one replica group: its ranks read their group's part of the data
             config.dataloader = _DataOfReplicaGroup.Config(loader=config.dataloader,
                                                            group=config.optimizer.replica_group,
                                                            groups=config.optimizer.replica_groups)  # fmt: skip
