@@ -8,6 +8,9 @@ Each lives in its own module and imports its framework only when imported itself
 - :mod:`acco.integrations.lightning`: ``AccoStrategy``, a Lightning Trainer strategy, and
   :mod:`acco.integrations.fabric`: ``AccoFabricStrategy``, a Fabric one
   (``pip install 'acco[lightning]'``).
+- :mod:`acco.integrations.torchtitan`: ``AccoTrainer``, ``AccoOptimizersContainer``,
+  ``AccoCheckpointManager`` and recipes for torchtitan's ``Trainer``
+  (``pip install 'acco[torchtitan]'``).
 - :mod:`acco.integrations.schedules`: what they share (no framework import).
 """
 

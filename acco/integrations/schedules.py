@@ -283,10 +283,11 @@ def acco_from_optimizer(
     return acco
 
 
-def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any], *, membership: Any = None) -> dict[str, Any]:
     """AccoOptimizer's own checks of the keywords a strategy passes on (``ValueError`` /
     ``TypeError`` naming the bad value), run when the strategy is made, long before the
-    optimizer exists. Returns them as a dict."""
+    optimizer exists, with the ``membership`` the strategy will pass (unconnected: what
+    ``mode="local"`` asks of elastic rounds is checked too). Returns them as a dict."""
     kwargs = dict(acco_kwargs)
     unknown = sorted(set(kwargs) - set(_ACCO_KWARGS))
     if unknown:
@@ -296,7 +297,8 @@ def check_acco_kwargs(mode: Mode, acco_kwargs: Mapping[str, Any]) -> dict[str, A
         )
     checked = inspect.signature(Options.check).parameters
     given = {name: p.default for name, p in _ACCO_SIGNATURE.items() if p.kind is p.KEYWORD_ONLY}
-    Options.check(**{name: v for name, v in {**given, **kwargs, "mode": mode}.items() if name in checked})
+    every = {**given, **kwargs, "mode": mode, "membership": membership}
+    Options.check(**{name: v for name, v in every.items() if name in checked})
     return kwargs
 
 
