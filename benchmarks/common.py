@@ -107,6 +107,7 @@ class LocalSpec:
     """A local-steps method's name, parsed:
     ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb][-lockstep|-speed]
     [-tokens|-equal|-normalized]`` (acco ``mode="local"``, library defaults for what is not named;
+    ``H`` may be ``auto``: ``sync_every="auto"``, H chosen from the link and the step time;
     ``-lockstep`` / ``-speed``: ``pacing``; ``-tokens`` etc.: ``outer_weighting``; ``-bB``: ``outer_bits=B``,
     ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
     and momentum, the other from the library's default; ``-hb``: heavy-ball momentum, not Nesterov's),
@@ -115,7 +116,7 @@ class LocalSpec:
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
     kind: str  # local, diloco or sdiloco
-    sync_every: int
+    sync_every: int | str  # "auto" (acco only): chosen by the planner, round by round
     sync_delay: int | str | None = None  # None: the library's default (acco), 0 (torchft); "auto"
     overlap: str | None = None  # acco: discard, keep or estimate (None: the library's default)
     outer_lr: float | None = None  # None: the library's default (acco), DiLoCo's 0.7 (torchft)
@@ -134,7 +135,7 @@ class LocalSpec:
             return None
         parts = rest.split("-")
         try:
-            spec = cls(kind, int(parts[0]))
+            spec = cls(kind, "auto" if parts[0] == "auto" and kind == "local" else int(parts[0]))
             for part in parts[1:]:
                 if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
@@ -162,7 +163,7 @@ class LocalSpec:
                     return None
         except ValueError:
             return None
-        return spec if spec.sync_every >= 1 else None
+        return spec if spec.sync_every == "auto" or spec.sync_every >= 1 else None
 
     def label(self) -> str:
         olr = "" if self.outer_lr is None else f", outer lr {self.outer_lr:g}"
@@ -618,10 +619,10 @@ class AccoLocalMethod(Method):
         super().__init__(name, config, micro_batches_per_update, model)
         local = LocalSpec.parse(name)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
-        self.sync_every = local.sync_every
         options: dict[str, Any] = {"sync_every": local.sync_every}
         if local.outer_lr is not None or local.outer_momentum is not None or not local.nesterov:
-            default = acco_module.default_outer(local.sync_every).keywords
+            default = acco_module.default_outer(
+                local.sync_every if local.sync_every != "auto" else acco_module.options.AUTO_EVERY_BOUNDS[0]).keywords
             options["outer_optimizer"] = functools.partial(
                 torch.optim.SGD, lr=default["lr"] if local.outer_lr is None else local.outer_lr,
                 momentum=default["momentum"] if local.outer_momentum is None else local.outer_momentum,
@@ -641,6 +642,7 @@ class AccoLocalMethod(Method):
         self.local_opt = acco_module.AccoOptimizer(
             param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
             betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)
+        self.sync_every = local.sync_every  # an int, or "auto": each round's H is in its RoundStats
         self.sync_delay = self.local_opt.options.local.sync_delay
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.local_opt, schedule)
         self.inner_steps = 0
@@ -671,7 +673,13 @@ class AccoLocalMethod(Method):
         return list(self.local_opt.round_stats)
 
     def committed_updates(self, counted: int) -> int:
-        return self.local_opt.outer_rounds * self.sync_every  # inner steps merged into the global model
+        return sum(self.round_every()[: self.local_opt.outer_rounds])  # inner steps merged into the global model
+
+    def round_every(self) -> list[int]:
+        """Each outer round's H in launch order (fixed, or the planner's choice with ``auto``)."""
+        if self.sync_every != "auto":
+            return [self.sync_every] * len(self.local_opt.round_stats)
+        return [s.sync_every for s in self.local_opt.round_stats if s.sync_every is not None]
 
 
 def build_method(name: str, config: ModelConfig, micro_batches_per_update: int, *, dtype: torch.dtype | None = None,

@@ -324,6 +324,7 @@ def run_method(name: str, args: argparse.Namespace, config: common.ModelConfig, 
     if method.spec.family == "local":
         result.update(sync_every=method.sync_every, sync_delay=method.sync_delay, inner_steps=method.inner_steps,
                       outer_steps=method.local_opt.outer_rounds, local_stop=args.local_stop, plans=plans,
+                      round_every=method.round_every(),
                       paces=[list(s.replicas.step_seconds) for s in method.local_opt.round_stats
                              if s.replicas is not None and not any(s.replicas.finishing)],
                       pacing=method.local_opt.options.local.pacing, **replica_telemetry(method.local_opt, end_s))
