@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import auto_every
 import common
 import convergence
 import example_runs
@@ -54,6 +55,7 @@ def generate(results_dir: Path) -> dict[str, str]:
         # by default, the main results file's runtime
         default = [(stem, results[stem]["runtime_s"])] if "runtime_s" in results.get(stem, {}) else []
         runtime_rows += module.runtimes(results) if hasattr(module, "runtimes") else default
+    blocks.update(auto_every.blocks(results_dir))  # time_to_loss.py's launches, its files named apart
     if target_rows:
         blocks["targets"] = md_table(["target", "measured", ""], [
             [t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in target_rows])

@@ -95,6 +95,11 @@ METHODS: dict[str, Spec] = {
                                    local={"sync_every": 8, "sync_delay": 0, "pacing": "lockstep"}),
     "fsdp-local-h8-speed": Spec("FSDP2 inside + acco `local` across, H = 8, blocking, paced by speed", "fsdp",
                                 "local", local={"sync_every": 8, "sync_delay": 0, "pacing": "speed"}),
+    # Issue 58: H chosen from the link and the step time, against the library's defaults.
+    "fsdp-local-defaults": Spec("FSDP2 inside + acco `local` across, the library's defaults", "fsdp", "local",
+                                local={}),
+    "fsdp-local-auto": Spec("FSDP2 inside + acco `local` across, sync_every=\"auto\"", "fsdp", "local",
+                            local={"sync_every": "auto"}),
     # No outer round before finish(): the inner steps' rate with nothing crossing the link.
     "fsdp-local-compute-only": Spec("FSDP2 inside, inner steps only (no outer round until the end)", "fsdp", "local",
                                     local={"sync_every": 10**9, "sync_delay": 0}),
@@ -467,6 +472,7 @@ def train_for_budget(name: str, args: argparse.Namespace, config: common.ModelCo
         steps[dist.get_rank()] = float(method.opt.num_updates + method.opt.skipped_updates)
         result.update(outer_rounds=method.opt.outer_rounds, inner_steps_per_s=updates / end_s,
                       sync_delay=method.opt.options.local.sync_delay,
+                      round_every=[s.sync_every for s in method.round_stats() if s.sync_every is not None],
                       inner_steps_by_rank=[int(v) for v in common.all_reduce(steps)])
     method.close()
     return result

@@ -3,16 +3,28 @@ round's own time (acco.replicas.plan_sync_every), the same on every replica, sav
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
 from acco.options import AUTO_EVERY_BOUNDS
-from acco.replicas import AUTO_HYSTERESIS, AUTO_SHARE, plan_sync_every
-from tests.helpers import TIMEOUT
-from tests.reference import OPTIMIZERS, make_model
+from acco.replicas import AUTO_HYSTERESIS, AUTO_SHARE, Pacing, plan_sync_every
+from tests.helpers import TIMEOUT, assert_params_equal
+from tests.reference import OPTIMIZERS, make_model, params_of
+from tests.ranks import run_script
 from tests.test_local import inner_step
+
+BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
+
+import netns  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parent / "auto_every_job.py")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +33,7 @@ BOUNDS = (4, 128)
 
 def test_the_plan_is_the_smallest_h_whose_round_costs_its_share() -> None:
     step, share = 0.1, AUTO_SHARE
-    # Blocking: a round of 0.05 s is 5% of 10 steps of 0.1 s.
+    # Blocking: a round of AUTO_SHARE * 1 s costs AUTO_SHARE of 10 steps of 0.1 s.
     assert plan_sync_every(30, BOUNDS, step, share * 10 * step, blocking=True) == 10
     # In flight: the round must fit behind its steps (5 steps of 0.1 s for a round of 0.45 s).
     assert plan_sync_every(30, BOUNDS, step, 0.45, blocking=False) == 5
@@ -101,3 +113,88 @@ def test_a_resume_keeps_the_h_it_had_chosen(ranks) -> None:
     resumed = ranks(2).run(auto_rank, 4, None, saved, 0)
     assert resumed[0]["history"] == resumed[1]["history"]
     assert resumed[0]["history"][0][1] == chosen
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(240)
+def test_h_follows_the_link_when_its_rate_changes(tmp_path) -> None:
+    """Behind 5 Mbit/s a 4-bit round of a 1.05M-parameter model moves about 1 MB through the
+    loopback (about 1.7 s), far over AUTO_SHARE (0.2) of 128 steps of 0.02 s: H goes to the upper
+    bound. Once
+    the limit is lifted, the first round planned from a round on the fast link takes half the
+    bound or less, on both replicas alike (skipped where no rate-limited namespace can be made)."""
+    try:
+        netns.check_requirements()
+        with netns.namespace("5mbit") as name:
+            results = run_script(JOB, str(tmp_path), netns=name, timeout=200)
+    except netns.NetnsError as error:
+        pytest.skip(f"no rate-limited namespace here: {error}")
+    records = []
+    for rank, result in enumerate(results):
+        path = tmp_path / f"rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote nothing (exit {result.returncode}):\n{result.stderr[-3000:]}"
+        records.append(torch.load(path, weights_only=False))
+    for record in records:
+        assert record["error"] is None, record["error"]
+    assert records[0]["rounds"] == records[1]["rounds"] and records[0]["lifted_after"] == records[1]["lifted_after"]
+    every = dict(records[0]["rounds"])
+    lifted = records[0]["lifted_after"]
+    assert every[0] == 2, every  # the lower bound: measured quickly
+    assert every[1] == every[lifted + 1] == 128, every  # planned from rounds behind 5 Mbit/s
+    after = [every[i] for i in (lifted + 2, lifted + 3)]  # planned from rounds on the lifted link
+    assert max(after) <= 128 // 2, every
+
+
+# Each round's time as a function of the H just stepped, so that the planner's choices move every
+# round, the same in every run: from H the next round takes CYCLE[H] (blocking, steps of 0.01 s).
+CYCLE = {2: 10, 10: 4, 4: 14, 14: 2}
+STEP_SECONDS = 0.01
+
+
+def planned_rank(start: int, steps: int, save_at: int | None, states: list[dict] | None) -> dict:
+    """Replicas in lockstep with sync_every=("auto", 2, 16), blocking, their measures replaced
+    by :data:`CYCLE`'s (the wall clock of one run is not another's): inner steps ``start`` to
+    ``start + steps``, from this rank's model and optimizer state in ``states`` if given; the
+    state after ``save_at`` inner steps."""
+    rank = dist.get_rank()
+    measured_pace, measured_hand_over = Pacing.pace, Pacing.hand_over
+
+    def hand_over(self):  # type: ignore[no-untyped-def]
+        if self.round_seconds > 0:  # a round has landed: its time, as CYCLE has it
+            self.round_seconds = AUTO_SHARE * STEP_SECONDS * (CYCLE[self.sync_every] - 0.5)
+        return measured_hand_over(self)
+
+    Pacing.pace, Pacing.hand_over = (lambda self: STEP_SECONDS), hand_over  # type: ignore[method-assign]
+    try:
+        model = make_model(seed=100 if states else 0)  # a resumed run's other values are overwritten
+        if states is not None:
+            model.load_state_dict(states[rank]["model"])
+        cls, hp = OPTIMIZERS["adamw"]
+        opt = AccoOptimizer(model, cls, mode="local", sync_every=("auto", 2, 16), sync_delay=0, pacing="lockstep",
+                            timeout=TIMEOUT, **hp)  # fmt: skip
+        if states is not None:
+            opt.load_state_dict(states[rank]["optimizer"])
+        saved = None
+        for step in range(start, start + steps):
+            inner_step(opt, model, step, rank, weighted=False)
+            if step + 1 == save_at:
+                saved = {"optimizer": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
+        opt.finish()
+    finally:
+        Pacing.pace, Pacing.hand_over = measured_pace, measured_hand_over  # type: ignore[method-assign]
+    history = [(s.index, s.sync_every) for s in opt.round_stats if not s.replayed]
+    return {"history": history, "saved": saved, "params": params_of(model)}
+
+
+def test_a_checkpoint_taken_while_the_planner_runs_resumes_bit_for_bit(ranks) -> None:
+    """A run saved after 37 inner steps (inside a round, H having moved 2 -> 10 -> 4 -> ...) and
+    resumed in new processes ends with the uninterrupted run's parameters on every replica, bit
+    for bit, through the same H in every round after the save."""
+    whole = ranks(2).run(planned_rank, 0, 80, 37, None)
+    every = [h for _, h in whole[0]["history"]]
+    assert {2, 10, 4, 14} <= set(every), every  # the planner moved H, before the save and after
+    resumed = ranks(2).run(planned_rank, 37, 43, None, [r["saved"] for r in whole])
+    for rank in range(2):
+        assert_params_equal(resumed[rank]["params"], whole[rank]["params"])
+    after = [h for _, h in resumed[0]["history"]]
+    assert after == every[len(every) - len(after):], (every, after)

@@ -1,0 +1,198 @@
+"""``sync_every="auto"`` against fixed H at equal wall time (issue 58): 2 ranks, the time-to-loss
+GPT, 45 s per method, behind a rate-limited loopback, and behind a link that changes speed a
+third into each run. Each setting is one ``time_to_loss.py`` launch (every method, seeds 1337, 7
+and 42, the methods in turn within each seed)::
+
+    sudo $(which python) benchmarks/auto_every.py 20mbit       # also 100mbit, 500mbit, unlimited
+    sudo $(which python) benchmarks/auto_every.py 500to20mbit  # 500 Mbit/s for 15 s, then 20 (and 20to500mbit)
+    sudo $(which python) benchmarks/auto_every.py 20mbit --methods local-hauto   # some methods again
+    python benchmarks/auto_every.py --report                   # docs/loops.md's table and figure
+
+Results: ``benchmarks/results/auto_every-SETTING.json`` (time_to_loss.py's format; with
+``--methods``, the runs of those methods replace theirs in the file, the others kept), the figure
+``auto_every.png`` beside them. A setting takes about 16 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import common
+
+__all__ = ["FIXED", "SETTINGS", "blocks", "compare", "report"]
+
+AUTO = "local-hauto"
+FIXED = (4, 8, 16, 30, 64)
+METHODS = (AUTO, *(f"local-h{h}" for h in FIXED))
+TODAY = "local-h30"  # the default H of 2026-11-27
+SEEDS = ("1337", "7", "42")
+BUDGET_S = 45
+# The link of each setting: time_to_loss.py's --links and --rates.
+SETTINGS: dict[str, list[str]] = {
+    "20mbit": ["--links", "comm~compute", "--rates", "20mbit"],
+    "100mbit": ["--links", "comm~compute", "--rates", "100mbit"],
+    "500mbit": ["--links", "comm~compute", "--rates", "500mbit"],
+    "unlimited": ["--links", "unlimited"],
+    "500to20mbit": ["--links", "comm~compute", "--rates", "500mbit:15,20mbit"],
+    "20to500mbit": ["--links", "comm~compute", "--rates", "20mbit:15,500mbit"],
+}
+CHANGING = ("500to20mbit", "20to500mbit")
+WITHIN = 0.01  # the bar: auto's median final loss within 1% of the best fixed H's
+
+
+def path_of(setting: str, results_dir: Path = common.RESULTS_DIR) -> Path:
+    return results_dir / f"auto_every-{setting}.json"
+
+
+def run(setting: str, methods: list[str]) -> None:
+    """One time_to_loss.py launch; with a subset of the methods, merged into the file."""
+    out = path_of(setting)
+    partial = sorted(methods) != sorted(METHODS) and out.exists()
+    target = Path(tempfile.mkdtemp()) / out.name if partial else out
+    command = [sys.executable, str(common.BENCH_DIR / "time_to_loss.py"), *SETTINGS[setting], "--methods", *methods,
+               "--seeds", *SEEDS, "--budget", str(BUDGET_S), "--no-report", "--max-quiet-wait", "120",
+               "--out", str(target)]
+    subprocess.run(command, check=True)
+    if partial:
+        new, old = json.loads(target.read_text()), json.loads(out.read_text())
+        for run_old in old["runs"]:
+            for run_new in new["runs"]:
+                if run_new["seed"] == run_old["seed"]:
+                    run_old["methods"].update(run_new["methods"])
+        old.setdefault("reruns", []).append({"methods": methods, "command": new.get("command")})
+        out.write_text(json.dumps(old, indent=1))
+
+
+def finals(data: dict[str, Any]) -> dict[str, list[float]]:
+    """Per method, the final held-out loss of each seed."""
+    out: dict[str, list[float]] = {}
+    for r in data["runs"]:
+        for name, m in r["methods"].items():
+            if "final_loss" in m:
+                out.setdefault(name, []).append(m["final_loss"])
+    return out
+
+
+def compare(data: dict[str, Any]) -> dict[str, Any]:
+    """Medians over the seeds; the best fixed H; auto's gap to it and to H = 30; the H auto chose."""
+    losses = finals(data)
+    median = {name: statistics.median(v) for name, v in losses.items()}
+    fixed = {name: median[name] for name in METHODS[1:] if name in median}
+    best = min(fixed, key=fixed.get) if fixed else None
+    out: dict[str, Any] = {"median": median, "seeds": {n: len(v) for n, v in losses.items()}, "best_fixed": best}
+    if AUTO in median and best is not None:
+        out["gap_to_best"] = median[AUTO] / fixed[best] - 1
+        out["gap_to_today"] = median[AUTO] / median[TODAY] - 1 if TODAY in median else None
+        out["ahead_of_every_fixed"] = all(median[AUTO] < v for v in fixed.values())
+        out["chosen"] = [r["methods"][AUTO].get("round_every", []) for r in data["runs"] if AUTO in r["methods"]]
+    return out
+
+
+def chosen_text(rounds: list[list[int]]) -> str:
+    """The H auto chose, per seed: its runs of equal H, e.g. 4, 26x9."""
+    def runs(hs: list[int]) -> str:
+        parts, i = [], 0
+        while i < len(hs):
+            j = i
+            while j < len(hs) and hs[j] == hs[i]:
+                j += 1
+            parts.append(f"{hs[i]}" + (f"x{j - i}" if j - i > 1 else ""))
+            i = j
+        return ", ".join(parts)
+    return "; ".join(runs(hs) for hs in rounds)
+
+
+def figure(data: dict[str, dict[str, Any]], out_dir: Path) -> str | None:
+    """For each changing link: each round's H (auto) against its launch time, and every
+    method's held-out loss against time, seed 1337."""
+    shown = [s for s in CHANGING if s in data]
+    if not shown:
+        return None
+    plt = common.pyplot()
+    fig, axes = plt.subplots(2, len(shown), figsize=(5.5 * len(shown), 6.5), squeeze=False, sharex=True)
+    for col, setting in enumerate(shown):
+        run = next(r for r in data[setting]["runs"] if str(r["seed"]) == SEEDS[0])
+        top, bottom = axes[0][col], axes[1][col]
+        for name in METHODS:
+            m = run["methods"].get(name)
+            if not m or "points" not in m:
+                continue
+            xs, ys = [p["elapsed_s"] for p in m["points"]], [p["loss"] for p in m["points"]]
+            bottom.plot(xs, ys, label="auto" if name == AUTO else f"H = {name.removeprefix('local-h')}",
+                        lw=2.2 if name == AUTO else 1.0, color="k" if name == AUTO else None)
+            if name == AUTO and m.get("round_every"):
+                per_step = m["end_s"] / max(1, m["inner_steps"])  # launch times from the steps before each
+                starts = [per_step * sum(m["round_every"][:i]) for i in range(len(m["round_every"]))]
+                top.step(starts, m["round_every"], where="post", color="k")
+        top.axvline(BUDGET_S / 3, color="grey", ls=":")
+        bottom.axvline(BUDGET_S / 3, color="grey", ls=":")
+        top.set_title(f"{setting} (the rate changes at {BUDGET_S // 3} s)")
+        top.set_ylabel("H auto chose (steps per round)")
+        bottom.set_ylabel("held-out loss")
+        bottom.set_xlabel("seconds of training (launch times approximate)")
+        finals_ = [m["final_loss"] for m in run["methods"].values() if "final_loss" in m]
+        bottom.set_ylim(min(finals_) - 0.05, min(finals_) + 1.0)
+        bottom.legend(fontsize=7)
+    return common.save_figure(fig, out_dir / "auto_every.png")
+
+
+def report(results_dir: Path = common.RESULTS_DIR) -> str:
+    data = {s: json.loads(p.read_text()) for s in SETTINGS if (p := path_of(s, results_dir)).exists()}
+    if not data:
+        return ""
+    rows = []
+    for setting, d in data.items():
+        c = compare(d)
+        m = c["median"]
+        cells = [f"{m[n]:.4f}" + (f" ({c['seeds'][n]})" if c["seeds"][n] != len(SEEDS) else "") if n in m else "-"
+                 for n in METHODS]
+        best = c["best_fixed"]
+        cells[METHODS.index(best)] = f"**{cells[METHODS.index(best)]}**"
+        gap = "-" if "gap_to_best" not in c else f"{100 * c['gap_to_best']:+.2f}%"
+        today = "-" if c.get("gap_to_today") is None else f"{100 * c['gap_to_today']:+.2f}%"
+        rows.append([setting, *cells, gap, today, chosen_text(c.get("chosen", [])[:1])])
+    header = ["link", "auto", *(f"H = {h}" for h in FIXED), "auto vs best fixed", "auto vs H = 30",
+              "H auto chose (seed 1337)"]
+    text = (f"Median final held-out loss over seeds {', '.join(SEEDS)} (fewer: their number in brackets), "
+            f"{BUDGET_S} s per method, 2 ranks, the time-to-loss GPT (0.83M), library defaults otherwise "
+            "(blocking 4-bit rounds); best fixed H in bold. Commands: `sudo $(which python) benchmarks/auto_every.py "
+            "SETTING`.\n\n" + common.md_table(header, rows))
+    fig = figure(data, results_dir)
+    if fig:
+        text += f"\n\n![auto_every](results/{fig})"
+    return text
+
+
+def blocks(results_dir: Path) -> dict[str, str]:
+    text = report(results_dir)
+    return {"auto-every": text} if text else {}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("settings", nargs="*", metavar="SETTING", help=f"one or more of {', '.join(SETTINGS)}")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--report", action="store_true", help="docs/loops.md's block from the results")
+    args = parser.parse_args(argv)
+    if args.report:
+        import report as readmes
+
+        text = report()
+        print(text)
+        readmes.place(blocks(common.RESULTS_DIR))
+        return
+    if not args.settings or set(args.settings) - set(SETTINGS):
+        parser.error(f"name one or more of {', '.join(SETTINGS)} (or --report)")
+    for setting in args.settings:
+        run(setting, args.methods)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
