@@ -62,12 +62,20 @@ def run(setting: str, methods: list[str]) -> None:
     subprocess.run(command, check=True)
     if partial:
         new, old = json.loads(target.read_text()), json.loads(out.read_text())
+        replaced: dict[str, dict[str, Any]] = {}
         for run_old in old["runs"]:
             for run_new in new["runs"]:
                 if run_new["seed"] == run_old["seed"]:
+                    replaced[str(run_old["seed"])] = {n: summary_of(run_old["methods"][n])
+                                                      for n in run_new["methods"] if n in run_old["methods"]}
                     run_old["methods"].update(run_new["methods"])
-        old.setdefault("reruns", []).append({"methods": methods, "command": new.get("command")})
+        old.setdefault("reruns", []).append({"methods": methods, "command": new.get("command"), "replaced": replaced})
         out.write_text(json.dumps(old, indent=1))
+
+
+def summary_of(method: dict[str, Any]) -> dict[str, Any]:
+    """What a rerun keeps of the run it replaces: its final loss, each round's H, its steps."""
+    return {key: method.get(key) for key in ("final_loss", "round_every", "inner_steps", "end_s")}
 
 
 def finals(data: dict[str, Any]) -> dict[str, list[float]]:

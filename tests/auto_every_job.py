@@ -2,12 +2,12 @@
 by test_auto_every.py as torchrun would run it, inside a network namespace whose loopback
 carries a tbf (benchmarks/netns.py).
 
-    ip netns exec NS torchrun --nproc-per-node 2 tests/auto_every_job.py OUT [--lift-after 1]
+    ip netns exec NS torchrun --nproc-per-node 2 tests/auto_every_job.py OUT [--rounds-after 5]
 
 Each inner step sleeps ``--sleep`` seconds (the step time the planner measures); blocking
-rounds (``sync_delay=0``), 4-bit. Once the round numbered ``--lift-after`` has landed, rank 0
-deletes the loopback's tbf (``tc qdisc del dev lo root``: the link becomes fast) and the job
-goes on for ``--rounds-after`` more rounds. Each rank writes ``OUT/rank{r}.pt``: every round's
+rounds (``sync_delay=0``), 4-bit. Once a round of the upper bound's H has landed (the planner has
+met the slow link), rank 0 deletes the loopback's tbf (``tc qdisc del dev lo root``: the link
+becomes fast) and the job goes on for ``--rounds-after`` more rounds. Each rank writes ``OUT/rank{r}.pt``: every round's
 H and index, the round after which the link changed, and the error it ended with.
 """
 
@@ -35,8 +35,7 @@ def main(argv: list[str]) -> int:
     add("--width", type=int, default=512)
     add("--sleep", type=float, default=0.02)
     add("--bounds", type=int, nargs=2, default=[2, 128])
-    add("--lift-after", type=int, default=1, help="the round after whose landing the limit is lifted")
-    add("--rounds-after", type=int, default=3)
+    add("--rounds-after", type=int, default=5)
     args = parser.parse_args(argv)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -58,7 +57,8 @@ def main(argv: list[str]) -> int:
             opt.step()
             opt.zero_grad()
             step += 1
-            if record["lifted_after"] is None and opt.outer_rounds > args.lift_after:
+            landed = [s.sync_every for s in opt.round_stats if s.sync_every is not None][: opt.outer_rounds]
+            if record["lifted_after"] is None and landed and landed[-1] == args.bounds[1]:
                 record["lifted_after"] = opt.outer_rounds - 1  # the same round on both: blocking landings
                 if rank == 0:
                     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], check=True)
