@@ -673,7 +673,9 @@ class AccoLocalMethod(Method):
         return list(self.local_opt.round_stats)
 
     def committed_updates(self, counted: int) -> int:
-        return sum(self.round_every()[: self.local_opt.outer_rounds])  # inner steps merged into the global model
+        if self.sync_every != "auto":
+            return self.local_opt.outer_rounds * self.sync_every  # inner steps merged into the global model
+        return sum(self.round_every()[: self.local_opt.outer_rounds])  # (round_stats keeps the last 1024 rounds)
 
     def round_every(self) -> list[int]:
         """Each outer round's H in launch order (fixed, or the planner's choice with ``auto``)."""
