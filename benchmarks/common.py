@@ -107,7 +107,8 @@ class LocalSpec:
     """A local-steps method's name, parsed:
     ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb][-lockstep|-speed]
     [-tokens|-equal|-normalized]`` (acco ``mode="local"``, library defaults for what is not named;
-    ``H`` may be ``auto``: ``sync_every="auto"``, H chosen from the link and the step time;
+    ``H`` may be ``auto``: ``sync_every="auto"``, H chosen from the link and the step time, or
+    ``default``: the library's default ``sync_every`` (and its outer optimizer for it);
     ``-lockstep`` / ``-speed``: ``pacing``; ``-tokens`` etc.: ``outer_weighting``; ``-bB``: ``outer_bits=B``,
     ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
     and momentum, the other from the library's default; ``-hb``: heavy-ball momentum, not Nesterov's),
@@ -116,7 +117,8 @@ class LocalSpec:
     synchronised every H / P steps with a delay of D inner steps, mixing alpha 0)."""
 
     kind: str  # local, diloco or sdiloco
-    sync_every: int | str  # "auto" (acco only): chosen by the planner, round by round
+    # "auto" (acco only): chosen by the planner, round by round; None (``-hdefault``): the library's default
+    sync_every: int | str | None
     sync_delay: int | str | None = None  # None: the library's default (acco), 0 (torchft); "auto"
     overlap: str | None = None  # acco: discard, keep or estimate (None: the library's default)
     outer_lr: float | None = None  # None: the library's default (acco), DiLoCo's 0.7 (torchft)
@@ -135,7 +137,8 @@ class LocalSpec:
             return None
         parts = rest.split("-")
         try:
-            spec = cls(kind, "auto" if parts[0] == "auto" and kind == "local" else int(parts[0]))
+            first = {"auto": "auto", "default": None}.get(parts[0]) if kind == "local" else None
+            spec = cls(kind, first if parts[0] in ("auto", "default") and kind == "local" else int(parts[0]))
             for part in parts[1:]:
                 if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
@@ -163,7 +166,7 @@ class LocalSpec:
                     return None
         except ValueError:
             return None
-        return spec if spec.sync_every == "auto" or spec.sync_every >= 1 else None
+        return spec if spec.sync_every in ("auto", None) or spec.sync_every >= 1 else None
 
     def label(self) -> str:
         olr = "" if self.outer_lr is None else f", outer lr {self.outer_lr:g}"
@@ -174,16 +177,17 @@ class LocalSpec:
         if self.kind == "sdiloco":
             return (f"Streaming DiLoCo (torchft), H = {self.sync_every}, {self.fragments} fragments, delay "
                     f"{self.sync_delay or 0}{olr}")
+        h = "default" if self.sync_every is None else self.sync_every
         bits = "" if self.outer_bits is None else f", {self.outer_bits} bits"
         bits += "" if self.error_feedback else " without error feedback"
         bits += "" if self.pacing is None else f", pacing {self.pacing}"
         bits += "" if self.weighting is None else f", {self.weighting} weights"
         if self.sync_delay == 0:
-            return f"acco `local` blocking, H = {self.sync_every}{bits}{olr}"
+            return f"acco `local` blocking, H = {h}{bits}{olr}"
         if self.sync_delay is None and self.overlap is None:
-            return f"acco `local`, H = {self.sync_every}, library defaults{bits}{olr}"
+            return f"acco `local`, H = {h}, library defaults{bits}{olr}"
         delay = "default delay" if self.sync_delay is None else f"delay {self.sync_delay}"
-        return f"acco `local`, H = {self.sync_every}, {delay}, {self.overlap or 'default rule'}{bits}{olr}"
+        return f"acco `local`, H = {h}, {delay}, {self.overlap or 'default rule'}{bits}{olr}"
 
 
 def method_spec(name: str) -> MethodSpec:
@@ -619,14 +623,14 @@ class AccoLocalMethod(Method):
         super().__init__(name, config, micro_batches_per_update, model)
         local = LocalSpec.parse(name)
         self.loss_scale = 1.0  # accumulate() averages over micro-batches itself
-        options: dict[str, Any] = {"sync_every": local.sync_every}
+        options: dict[str, Any] = {} if local.sync_every is None else {"sync_every": local.sync_every}
         if local.outer_lr is not None or local.outer_momentum is not None or not local.nesterov:
-            default = acco_module.default_outer(
-                local.sync_every if local.sync_every != "auto" else acco_module.options.AUTO_EVERY_BOUNDS[0]).keywords
-            options["outer_optimizer"] = functools.partial(
+            every = acco_module.options.DEFAULT_SYNC_EVERY if local.sync_every is None else local.sync_every
+            default = acco_module.default_outer(every if every != "auto" else acco_module.options.AUTO_EVERY_BOUNDS[0]).keywords
+            momentum = default["momentum"] if local.outer_momentum is None else local.outer_momentum
+            options["outer_optimizer"] = functools.partial(  # torch's SGD: Nesterov needs a momentum
                 torch.optim.SGD, lr=default["lr"] if local.outer_lr is None else local.outer_lr,
-                momentum=default["momentum"] if local.outer_momentum is None else local.outer_momentum,
-                nesterov=local.nesterov)
+                momentum=momentum, nesterov=local.nesterov and momentum > 0)
         if local.sync_delay is not None:
             options["sync_delay"] = local.sync_delay
         if local.overlap is not None:
@@ -642,7 +646,8 @@ class AccoLocalMethod(Method):
         self.local_opt = acco_module.AccoOptimizer(
             param_groups(model, config.weight_decay), torch.optim.AdamW, mode="local", lr=config.lr,
             betas=config.betas, max_grad_norm=config.max_grad_norm, timeout=datetime.timedelta(minutes=5), **options)
-        self.sync_every = local.sync_every  # an int, or "auto": each round's H is in its RoundStats
+        # an int, or "auto": each round's H is in its RoundStats
+        self.sync_every = "auto" if self.local_opt.options.local.auto_every else self.local_opt.options.local.sync_every
         self.sync_delay = self.local_opt.options.local.sync_delay
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.local_opt, schedule)
         self.inner_steps = 0

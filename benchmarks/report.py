@@ -23,8 +23,8 @@ import convergence
 import example_runs
 import gpu_overlap
 import lightning_slow_link
+import local_quality
 import memory
-import outer_grid
 import profile_lanes
 import throughput
 import time_to_loss
@@ -36,7 +36,7 @@ __all__ = ["main", "place"]
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md", *sorted((common.REPO_ROOT / "docs").glob("*.md")))
 # In the order of the runtimes table; results files are named after each one's Benchmark.
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
-                                      two_nodes, example_runs, lightning_slow_link, outer_grid)
+                                      two_nodes, example_runs, lightning_slow_link, local_quality)
 
 
 def generate(results_dir: Path) -> dict[str, str]:
