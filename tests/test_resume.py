@@ -1,0 +1,154 @@
+"""Resuming mode="local" from per-rank checkpoints (issue 66): each rank ``torch.save``s its model
+and optimizer state after an inner step, and a new model and optimizer on every rank load
+them and train on (2 replicas in lockstep, ``sync_every=8``, 40 inner steps: tests/resume_job.py).
+
+With ``sync_delay="auto"`` a replica lands a round at the first step its comm lane has finished
+it, so at the step of a save one replica may hold the round landed and the other still in
+flight: the resume must not wait for a round the other replica has already landed, and every
+replica ends with the same parameters. With an integer ``sync_delay`` the resumed run is the one
+that did not stop, bit for bit. A rank that resumes from nothing, or from another round than the
+others, fails on every rank within the optimizer's ``timeout``, naming the round and its phase.
+
+The fast tier resumes in the session's ranks (a new model and optimizer loading the files); the
+stress tier in new processes, as torchrun starts them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import assert_identical_across_ranks, assert_params_equal
+from tests.ranks import run_script
+from tests.resume_job import run
+
+JOB = str(Path(__file__).resolve().parent / "resume_job.py")
+SHORT_TIMEOUT = 10.0  # the optimizer's timeout in the tests of failed resumes
+
+pytestmark = pytest.mark.timeout(120)
+
+# Rank 0's data loader stalls before inner step 15: rank 1 launches the round after step 16 and
+# takes steps 17-21 while that round waits for rank 0, so its save after step 21 holds the round
+# in flight (state_dict() waits for it to finish); rank 0 launches it late, and by step 20 (a
+# shorter stall lets the round finish) it has landed it: its save after 21 holds none.
+APART = {0: {15: 1.5, 19: 0.3}}
+
+
+def run_rank(directory: str, delay: int | str, options: dict, pauses: dict) -> dict:
+    return run(Path(directory), delay, pauses=pauses.get(dist.get_rank()), **options)
+
+
+def test_a_resume_where_one_replica_had_landed_the_round_and_the_other_had_not(ranks, tmp_path) -> None:
+    """The issue's hang: rank 1 saved round 1 in flight (finished, not landed), rank 0 saved it
+    landed. The resume lands it on rank 1 from its own state (no collective): both replicas go on
+    to step 40 and end identical."""
+    saved = ranks(2).run(run_rank, str(tmp_path), "auto", {"save_at": (21,)}, APART)
+    assert [r["error"] for r in saved] == [None, None]
+    assert [r["in_flight"][21] for r in saved] == [False, True]  # the case under test (APART's stalls)
+    resumed = ranks(2).run(run_rank, str(tmp_path), "auto", {"resume_from": 21}, {})
+    assert [r["error"] for r in resumed] == [None, None]
+    assert_identical_across_ranks(resumed)
+
+
+@pytest.mark.parametrize("delay,save_at", [(0, 21), (3, 18)])
+def test_an_integer_delay_resumes_bit_for_bit(ranks, tmp_path, delay, save_at) -> None:
+    """Saved mid-round (blocking; or with the round launched after step 16 in flight until 19),
+    the resumed run ends with the parameters of the run that saved, bit for bit, on every rank."""
+    whole = ranks(2).run(run_rank, str(tmp_path), delay, {"save_at": (save_at,)}, {})
+    assert [r["in_flight"][save_at] for r in whole] == [delay > 0] * 2
+    resumed = ranks(2).run(run_rank, str(tmp_path), delay, {"resume_from": save_at}, {})
+    for rank in range(2):
+        assert resumed[rank]["error"] is None, resumed[rank]["error"]
+        assert_params_equal(resumed[rank]["params"], whole[rank]["params"])
+    assert_identical_across_ranks(resumed)
+
+
+@pytest.mark.parametrize("other", ["fresh", "another round", "missing"])
+def test_a_rank_that_cannot_resume_fails_every_rank_within_the_timeout(ranks, tmp_path, other) -> None:
+    """Rank 0 resumes from its state after step 21; rank 1 from nothing (a fresh optimizer from
+    step 0), from its state after step 13 (another round), or not at all (its file is missing:
+    it raises at the load and stops). Every rank that trains on fails within ``timeout`` with an
+    error naming the outer round and the phase it failed in, none hangs."""
+    ranks(2).run(run_rank, str(tmp_path), "auto", {"save_at": (13, 21)}, {})
+    if other == "missing":
+        (tmp_path / "step21.rank1.pt").unlink()
+    load = {"fresh": None, "another round": 13, "missing": 21}[other]
+    options = {"resume_from": 21, "timeout": SHORT_TIMEOUT}
+    started = time.monotonic()
+    results = ranks(2).run(run_other, str(tmp_path), options, load)
+    assert time.monotonic() - started < SHORT_TIMEOUT + 20  # (the ranks' own start and steps)
+    if other == "missing":
+        assert results[1]["error"].startswith("FileNotFoundError")
+    trained = results if other != "missing" else results[:1]
+    for rank, result in enumerate(trained):
+        error = result["error"]
+        assert error is not None and result["seconds"] < SHORT_TIMEOUT, (rank, result)
+        assert "outer round" in error and "during totals" in error, error
+        if other != "missing":  # both replicas met in the round's exchange: each says what the other is at
+            assert "different outer rounds" in error, error
+
+
+def run_other(directory: str, options: dict, load: int | None) -> dict:
+    """Rank 0 resumes from its own state; rank 1 loads ``load`` (None: nothing, from step 0)."""
+    if dist.get_rank() == 0:
+        return run(Path(directory), "auto", **options)
+    return run(Path(directory), "auto", **{**options, "resume_from": load or 0}, load=load)
+
+
+# ------------------------------------------------------------ in new processes (stress)
+
+
+def launch(directory: Path, *args: str) -> list[dict]:
+    """tests/resume_job.py on 2 new ranks; their records."""
+    results = run_script(JOB, str(directory), *args, "--dump", "100", timeout=120)
+    name = "whole" if "--resume-from" not in args else f"resumed{args[args.index('--resume-from') + 1]}"
+    records = []
+    for rank, result in enumerate(results):
+        path = directory / f"{name}.rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote nothing (exit {result.returncode}):\n{result.stderr[-4000:]}"
+        records.append(torch.load(path, weights_only=False))
+    for rank, record in enumerate(records):
+        assert record["error"] is None, (rank, record["error"], results[rank].stderr[-4000:])
+    return records
+
+
+# Saved at 20 inner steps, 16 of them inside a round (not right after a launch), from two runs
+# whose ranks drift apart: stalls like APART's before the rounds launched after steps 8 and 24,
+# and random waits (--jitter) of up to 0.1 s before a fifth of each rank's steps.
+AUTO_SAVES = {"--jitter 1 --pause 0 7 1.0 --pause 0 11 0.3 --pause 1 23 1.0 --pause 1 27 0.3": (5, 9, 10, 11, 13, 14, 16, 18, 21, 27),
+              "--jitter 2 --pause 1 15 1.0 --pause 1 19 0.3 --pause 0 31 1.0 --pause 0 35 0.3": (3, 8, 17, 19, 20, 22, 25, 29, 34, 37)}  # fmt: skip
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(900)
+def test_twenty_auto_resumes_in_new_processes(tmp_path) -> None:
+    """sync_delay="auto": 20 resumes, each in 2 new processes, from states saved at 20 inner
+    steps, some with the replicas apart (one holding the round in flight, the other landed): none
+    hangs, and every replica ends with the same parameters."""
+    apart = 0
+    for number, (how, saves) in enumerate(AUTO_SAVES.items()):
+        directory = tmp_path / f"run{number}"
+        directory.mkdir()
+        whole = launch(directory, "--delay", "auto", "--save-at", *map(str, saves), *how.split())
+        apart += sum(whole[0]["in_flight"][s] != whole[1]["in_flight"][s] for s in saves)
+        for save in saves:
+            assert_identical_across_ranks(launch(directory, "--delay", "auto", "--resume-from", str(save)))
+    assert apart >= 2, apart  # the stalls put the replicas apart at some saves
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("delay", [0, 3])
+def test_integer_delay_resumes_in_new_processes_are_bit_for_bit(tmp_path, delay) -> None:
+    """An integer sync_delay: resumes in new processes from states saved at 5 inner steps end
+    with the saving run's parameters on every rank, bit for bit."""
+    saves = (4, 11, 17, 18, 30)
+    whole = launch(tmp_path, "--delay", str(delay), "--save-at", *map(str, saves), "--jitter", "3")
+    for save in saves:
+        resumed = launch(tmp_path, "--delay", str(delay), "--resume-from", str(save))
+        for rank in range(2):
+            assert_params_equal(resumed[rank]["params"], whole[rank]["params"])
