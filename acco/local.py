@@ -39,6 +39,7 @@ from torch.profiler import record_function
 from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor, local_tensor
+from acco.module_buffers import BufferSnapshot
 from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.legs import QuantizedLegs
@@ -47,11 +48,19 @@ from acco.quantize import BlockCodec
 from acco.replicas import Pacing, ReplicaReport
 from acco.rounds import LaneRound
 from acco.sharding import ShardedGroup
+from acco.telemetry import RoundStats
 
 __all__ = ["InnerSteps", "LocalClock", "LocalLoop"]
 
 # How often a landing that waits for the other replicas' hand-overs within its patience looks.
 _POLL_SECONDS = 0.002
+
+
+def _nothing_left(round_: OuterRound) -> RoundStats:
+    """The comm lane's part of a round restored with its result: none. (It goes through the lane
+    all the same: on CUDA the landing is then ordered after the restore's copies, as after any
+    round.)"""
+    return round_.stats
 
 
 def _waits_for_hand_overs(round_: LaneRound) -> bool:
@@ -331,11 +340,12 @@ class LocalLoop(Loop):
             clock.launched_at = None
             return False
         self.pacing.seat(self.lane_work.replica, self.lane_work.replicas)  # elastic replicas: this round's
-        # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
-        # the wait for the others' hand-overs (none yet on CUDA before the device has passed them).
-        self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase != "totals")
+        if not stats.replayed:  # (a restored round ran in the saving run: the last time measured stays)
+            # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
+            # the wait for the others' hand-overs (none yet on CUDA before the device has passed them).
+            self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase != "totals")
         every = self.pacing.sync_every  # the landing round's H (the report may choose the next one's)
-        self.pacing.landed(getattr(round_, "report", None))  # a replayed round has none
+        self.pacing.landed(getattr(round_, "report", None))  # (a restored round: as the state saved it)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         clock.late = False
@@ -444,11 +454,15 @@ class LocalLoop(Loop):
         # consolidate_state_dict). Its pending gradients too: they are this replica's, not a
         # share of a sum over ranks (pending_sums_across_ranks), so a consolidated state keeps them apart.
         in_flight = self._schedule.in_flight
-        report = getattr(in_flight, "report", None) or self.pacing.flight_report
-        report = None if report is None else report.as_dict()
+        report = getattr(in_flight, "report", None)
         return {
             **self.clock.state_dict(),
-            "flight_report": report,
+            "flight_report": None if report is None else report.as_dict(),
+            # The new global values of the round in flight (state_dict() waited for the comm lane
+            # to finish it): a load lands them from here, with no collective. With
+            # sync_delay="auto" another replica may have landed this round before its own save,
+            # and would never join a collective that rebuilt them.
+            "landing_values": None if in_flight is None else [per_param(g.plan, g.gathered) for g in self._groups],
             "handed_over": handed,
             "inner": self.inner.state_dicts(),
             "live": [group.live_values() for group in self._groups],
@@ -480,11 +494,42 @@ class LocalLoop(Loop):
             out.append(chunk)
         return out
 
-    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
-        """After the groups and the schedule: this replica's own part (``saved`` is this
-        rank's, or on another number of replicas rank 0's: docs/checkpoints.md)."""
+    def load_state_dict(self, saved: dict[str, Any], buffer_snapshot: BufferSnapshot | None) -> None:
+        """After the groups and the schedule: this replica's own part (``saved["local"]`` is
+        this rank's, or on another number of replicas rank 0's: docs/checkpoints.md), then the
+        round it saved in flight (:meth:`_restore_in_flight`)."""
+        self._load_own_state(saved["local"])
+        self._restore_in_flight(saved["local"], buffer_snapshot, saved["round"]["in_flight_kind"] is not None)
+
+    def _restore_in_flight(self, saved: dict[str, Any], buffer_snapshot: BufferSnapshot | None, legacy: bool) -> None:
+        """The round this replica saved in flight (finished on its comm lane, not landed), in
+        flight again with the new global values it had gathered and its report as exchanged:
+        it lands where it would have, and nothing is sent. (With sync_delay="auto" another
+        replica may have landed it before its own save, and would never join a collective that
+        rebuilt it.) ``legacy``: a state saved before it held those values says a round was in
+        flight; its gather leg runs again, as it did then (collective)."""
+        if "landing_values" in saved:
+            if saved["landing_values"] is None:
+                return
+            with torch.no_grad():
+                for group, values in zip(self._groups, saved["landing_values"]):
+                    group.gathered.copy_(full(group.plan, values, group.param_dtype))
+            body: Callable[[OuterRound], RoundStats] = _nothing_left
+        elif legacy:
+            body = self.lane_work.replay
+        else:
+            return
         report = saved.get("flight_report")
-        self.clock.load_state_dict(saved, None if report is None else ReplicaReport.from_dict(report))
+        round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.replayed_stats(RoundKind.OUTER),
+                            buffer_snapshot=buffer_snapshot, params=[],
+                            report=None if report is None else ReplicaReport.from_dict(report))  # fmt: skip
+        round_.stats.sync_every = self.pacing.sync_every
+        self._schedule.restore(round_, self._submit_with(body))
+
+    def _load_own_state(self, saved: dict[str, Any]) -> None:
+        """This replica's clock, parameters, inner optimizers, pending gradients, global values,
+        residuals, common terms and (elastic replicas) membership state."""
+        self.clock.load_state_dict(saved)
         if saved["handed_over"] is not None:
             self.clock.handed_over = [full(g.plan, values, g.param_dtype).to(g.device)
                                       for g, values in zip(self._groups, saved["handed_over"])]  # fmt: skip
@@ -730,7 +775,7 @@ class LocalClock:
             **self.pacing.state_dict(),
         }
 
-    def load_state_dict(self, saved: dict[str, Any], flight_report: ReplicaReport | None = None) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.inner_steps, self.launched_at = int(saved["inner_steps"]), saved["launched_at"]
         self.unsynced = bool(saved["unsynced"])
         self.outer_rounds, self.skipped_outer_rounds = int(saved["outer_rounds"]), int(saved["skipped_outer_rounds"])
@@ -738,4 +783,4 @@ class LocalClock:
         self.offset_every = int(saved.get("offset_every", 0))
         self.late, self.late_since = bool(saved.get("late", False)), time.perf_counter()
         since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
-        self.pacing.load_state_dict(saved, since, flight_report)
+        self.pacing.load_state_dict(saved, since)

@@ -181,8 +181,15 @@ class Loop:
         groups keep none (:meth:`keeps_master` False); None: the groups' own."""
         return None
 
-    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
-        """Restore :meth:`state_dict`'s (after the groups and the counts)."""
+    def load_state_dict(self, saved: dict[str, Any], buffer_snapshot: BufferSnapshot | None) -> None:
+        """Restore the loop's own state and the round in flight (after the groups, the counts and
+        the schedule). ``saved``: the state dict's ``"acco"`` entry; ``buffer_snapshot``: the
+        round in flight's module buffers. A per-update loop's round in flight is at the same
+        step on every rank (each ``step()`` is a round of all of them): its all-gather runs
+        again (collective), from the result each rank saved."""
+        kind = saved["round"]["in_flight_kind"]
+        if kind is not None:
+            self.replay(RoundKind(kind), buffer_snapshot)
 
     def buffer_bytes(self) -> list[dict[str, int]]:
         """Bytes of each buffer held now, per param group (docs/memory.md)."""
@@ -235,7 +242,8 @@ class Loop:
 
     def replay(self, kind: RoundKind, buffer_snapshot: BufferSnapshot | None) -> None:
         """Put a checkpoint's round in flight again: only its all-gather runs."""
-        self._schedule.replay(kind, buffer_snapshot, self._submit_with(self.lane_work.replay))
+        round_ = LaneRound(kind=kind, stats=self._schedule.replayed_stats(kind), buffer_snapshot=buffer_snapshot)
+        self._schedule.restore(round_, self._submit_with(self.lane_work.replay))
 
     def _submit_with(self, body: Callable[[Any], RoundStats]) -> Callable[[LaneRound], Any]:
         lane = self._parts.lane

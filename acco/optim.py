@@ -818,8 +818,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         every rank taking its part; for a rank's own state at another world size use
         :func:`acco.checkpoint.load`. A mismatch is a ``ValueError``, before any change.
 
-        .. warning:: Collective when the saved state has a round in flight (its result is
-            all-gathered again on the comm lane): every rank must call it.
+        .. warning:: In the per-update modes, collective when the saved state has a round in
+            flight (its result is all-gathered again on the comm lane): every rank must call
+            it. In ``mode="local"`` it is never collective: a round in flight lands from the
+            result the state holds (with ``sync_delay="auto"`` one replica may have landed a
+            round that another saved in flight); replicas resumed from states of different
+            outer rounds fail at their next round, on every rank, naming it.
         """
         self._check_usable("load_state_dict")
         state_dict = self._own_form(state_dict)
@@ -828,7 +832,6 @@ class AccoOptimizer(torch.optim.Optimizer):
             raise RuntimeError("load_state_dict() must be called on a fresh optimizer, before any accumulate()/step()")
         self.check_state_dict(state_dict)
         saved = state_dict["acco"]
-        in_flight_kind = saved["round"]["in_flight_kind"]
         # On the lane, so the base optimizers' state is allocated on the stream that uses it.
         run_on_lane = functools.partial(self._lane.run, timeout=self.options.wait_seconds)
         snapshot = restore_groups(state_dict, self.param_groups, self._groups, self._loop.shard_optimizers,
@@ -837,6 +840,4 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._counts.skipped_updates = int(saved.get("skipped_updates", 0))
         self._counts.committed_weight = float(saved["committed_weight"])
         self._schedule.load_state_dict(saved["round"])
-        self._loop.load_state_dict(saved.get("local"))
-        if in_flight_kind is not None:  # the saved round in flight again: only its all-gather runs
-            self._loop.replay(RoundKind(in_flight_kind), snapshot)
+        self._loop.load_state_dict(saved, snapshot)  # its own state, and the round in flight

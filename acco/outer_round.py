@@ -206,6 +206,25 @@ class OuterRunner(LaneWork):
         return 0
 
 
+def _check_same_round(rounds: Sequence[int]) -> None:
+    """Every rank launched the same outer round (``rounds``: each rank's index, in rank order).
+
+    A fixed group's replicas launch every round together, so they differ only when their states
+    come from different rounds: a resume from checkpoints saved in different rounds, or a rank
+    that loaded none. Their next collectives would no longer match (a hang, or one round's
+    values mixed with another's): the round fails on every rank instead.
+
+    Raises:
+        RoundRefused: naming each rank's round.
+    """
+    if len(set(rounds)) > 1:
+        raise RoundRefused(
+            f"the ranks are at different outer rounds ({', '.join(f'rank {r}: round {i}' for r, i in enumerate(rounds))}): "
+            "their states come from different rounds (a resume from per-rank checkpoints saved in different outer "
+            "rounds, or a rank that loaded none); resume every rank from states saved at the same inner step"
+        )
+
+
 class FixedRunner(OuterRunner):
     """The outer round among the replicas of a fixed process group (or a mesh's ``replicate``
     dimension): the replicas' parameters reduced to each chunk's owner, the mean
@@ -290,29 +309,37 @@ class FixedRunner(OuterRunner):
             shard.params = params
         return self._seating
 
-    # The exchange's entries per rank of the mesh: its replica, then its hand-over's fields.
-    _FIELDS = 7
+    # The exchange's entries per rank of the mesh: its replica, the round, its hand-over's fields.
+    _FIELDS = 8
 
     def _exchange(self, seating: Seating, round_: OuterRound) -> tuple[int, ReplicaReport]:
-        """One all-reduce over the mesh: how many ranks hand over NaN or inf, and every
-        replica's hand-over. Each rank writes its own entries (the others are 0, so the sum
-        is exact); a replica group's ranks report alike, but for its seconds per step, its
-        slowest rank's."""
+        """One all-reduce over the mesh: how many ranks hand over NaN or inf, each rank's round,
+        and every replica's hand-over. Each rank writes its own entries (the others are 0, so
+        the sum is exact); a replica group's ranks report alike, but for its seconds per step,
+        its slowest rank's.
+
+        Raises:
+            RoundRefused: the ranks are at different rounds (on every rank alike: each sees
+                every rank's).
+        """
         with self._recorder.phase(round_.stats, "totals"):
             own, ranks = round_.hand_over, self._mesh_comm.world_size
             params = round_.params
             flags = torch.zeros(1 + self._FIELDS * ranks, dtype=torch.float64, device=params[0].device)
             start = 1 + self._FIELDS * self._mesh_comm.rank
             flags[start : start + self._FIELDS] = torch.tensor(
-                [self.replica, own.steps, own.weight, own.step_seconds, own.stop, own.finishing, own.round_seconds],
-                dtype=torch.float64)
+                [self.replica, round_.stats.index, own.steps, own.weight, own.step_seconds, own.stop, own.finishing,
+                 own.round_seconds], dtype=torch.float64)  # fmt: skip
             flags[0] = self._nonfinite_flag(params)
             self._mesh_comm.all_reduce_sum_(flags)
             values = self._device_hooks.host_copy(flags)(self._options.timeout.total_seconds()).tolist()
             entries: dict[int, list[list[float]]] = {}
+            rounds = []
             for rank in range(ranks):
                 entry = values[1 + self._FIELDS * rank : 1 + self._FIELDS * (rank + 1)]
-                entries.setdefault(int(entry[0]), []).append(entry[1:])
+                rounds.append(int(entry[1]))
+                entries.setdefault(int(entry[0]), []).append(entry[2:])
+            _check_same_round(rounds)
             report = ReplicaReport.of([HandOver.of_ranks(entries[replica]) for replica in range(self.replicas)])
             nonfinite = self._confirm_nonfinite(params) if values[0] else 0
         return nonfinite, report

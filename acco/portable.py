@@ -42,8 +42,8 @@ _ACCO_KEYS = (MASTER, PENDING, IN_FLIGHT)
 _WEIGHTS = ("pending_weight", "round_weight", "pending_micro_batches", "round_micro_batches")
 # The local loop's per-parameter entries (acco.local.LocalLoop.state_dict: per param group, one
 # tensor per parameter shaped like its local tensor, or None), and those identical on every replica.
-LOCAL_PER_PARAM = ("live", "global_values", "accumulators", "handed_over", "common_terms")
-LOCAL_SHARED = ("global_values", "common_terms")
+LOCAL_PER_PARAM = ("live", "global_values", "landing_values", "accumulators", "handed_over", "common_terms")
+LOCAL_SHARED = ("global_values", "landing_values", "common_terms")
 
 
 @dataclass

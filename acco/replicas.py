@@ -242,8 +242,6 @@ class Pacing:
         finishing / peer_finished: this replica's next launch is its last (``finish()``);
             the replicas that ended with a round this one landed as a regular one.
         last_report: the report of the last landed round (None before the first).
-        flight_report: the round in flight's report when a checkpoint saved it (a replayed
-            round has none of its own).
         stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps of the fastest; a
             deadline on ``time.perf_counter()``), None: none.
         sync_every: H, the fastest replica's inner steps per round: ``options.sync_every``, or
@@ -272,7 +270,6 @@ class Pacing:
     finishing: bool = False
     peer_finished: list[int] = field(default_factory=list)
     last_report: ReplicaReport | None = None
-    flight_report: ReplicaReport | None = None
     stop_steps: int | None = None
     stop_seconds: float | None = None
     # This replica's pace (wall clock, not saved), for stop_after()'s budget: its mean step time
@@ -436,10 +433,8 @@ class Pacing:
         return unsynced or self.paced_apart
 
     def landed(self, report: ReplicaReport | None) -> None:
-        """A round landed with ``report`` (None: a replayed round: the saved one): the stop
-        agreed, the next plan."""
-        report = report if report is not None else self.flight_report
-        self.flight_report = None
+        """A round landed with ``report`` (None: a round restored from a state saved without
+        it): the stop agreed, the next plan."""
         if report is None:
             return
         self.last_report = report
@@ -615,7 +610,7 @@ class Pacing:
             "last_report": None if self.last_report is None else self.last_report.as_dict(),
         }
 
-    def load_state_dict(self, saved: dict[str, Any], round_steps: int, flight_report: ReplicaReport | None) -> None:
+    def load_state_dict(self, saved: dict[str, Any], round_steps: int) -> None:
         """``round_steps``: the steps since the last launch, for a state saved without them. A
         state saved at another number of replicas restarts the plan (``first_plan``)."""
         self.sync_every = int(saved.get("sync_every", self.options.sync_every))
@@ -630,7 +625,6 @@ class Pacing:
         # Saved before this was kept: a state whose plan differs was paced apart, one from an
         # equal plan is taken as never (finish() then decides as in lockstep).
         self.paced_apart = bool(saved.get("paced_apart", len(set(self.plan)) > 1))
-        self.flight_report = flight_report
         self.gap_reports = int(saved.get("gap_reports", 0))
         last = saved.get("last_report")
         # (the plan's paces: how long a landing waits for the others; a state saved at another

@@ -199,16 +199,13 @@ class RoundSchedule:
         """Undo :meth:`take_round_weights` (the update failed before it applied anything)."""
         self.pending, self.current = weights, weights.copy()
 
-    def replay(
-        self,
-        kind: RoundKind,
-        buffer_snapshot: BufferSnapshot | None,
-        submit: Callable[[LaneRound], LaneFuture[RoundStats]],
-    ) -> None:
-        """Put the last launched round, re-created from a checkpoint, in flight again: only
-        its all-gather runs (``submit``)."""
-        stats = RoundStats(self.launched - 1, kind, 0, 0.0, replayed=True)
-        round_ = LaneRound(kind=kind, stats=stats, buffer_snapshot=buffer_snapshot)
+    def replayed_stats(self, kind: RoundKind) -> RoundStats:
+        """Telemetry for the last launched round, re-created from a checkpoint."""
+        return RoundStats(self.launched - 1, kind, 0, 0.0, replayed=True)
+
+    def restore(self, round_: LaneRound, submit: Callable[[LaneRound], LaneFuture[RoundStats]]) -> None:
+        """Put ``round_``, the last launched round re-created from a checkpoint, in flight again
+        (``submit`` hands what is left of it to the comm lane); the schedule counts it already."""
         round_.future = submit(round_)
         self.in_flight = round_
 

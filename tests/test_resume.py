@@ -71,8 +71,10 @@ def test_an_integer_delay_resumes_bit_for_bit(ranks, tmp_path, delay, save_at) -
 def test_a_rank_that_cannot_resume_fails_every_rank_within_the_timeout(ranks, tmp_path, other) -> None:
     """Rank 0 resumes from its state after step 21; rank 1 from nothing (a fresh optimizer from
     step 0), from its state after step 13 (another round), or not at all (its file is missing:
-    it raises at the load and stops). Every rank that trains on fails within ``timeout`` with an
-    error naming the outer round and the phase it failed in, none hangs."""
+    it raises at the load and stops). Every rank that trains on fails with an error naming the
+    outer round and the phase it failed in, none hangs: at once where both ranks meet in the
+    exchange of their next round (each says every rank's round), within ``timeout`` of its
+    round's launch where rank 1 never comes."""
     ranks(2).run(run_rank, str(tmp_path), "auto", {"save_at": (13, 21)}, {})
     if other == "missing":
         (tmp_path / "step21.rank1.pt").unlink()
@@ -83,13 +85,17 @@ def test_a_rank_that_cannot_resume_fails_every_rank_within_the_timeout(ranks, tm
     assert time.monotonic() - started < SHORT_TIMEOUT + 20  # (the ranks' own start and steps)
     if other == "missing":
         assert results[1]["error"].startswith("FileNotFoundError")
-    trained = results if other != "missing" else results[:1]
-    for rank, result in enumerate(trained):
+        # Rank 0 alone reaches its round's exchange (after step 24), which waits ``timeout`` for rank 1.
+        error = results[0]["error"]
+        assert error is not None and results[0]["seconds"] < SHORT_TIMEOUT + 3, results[0]
+        assert error.startswith("CommLaneError: outer round 2 failed on the comm lane during totals"), error
+        return
+    # Both replicas meet in the exchange of their next round (each at its own): they fail there at once.
+    for rank, result in enumerate(results):
         error = result["error"]
-        assert error is not None and result["seconds"] < SHORT_TIMEOUT, (rank, result)
-        assert "outer round" in error and "during totals" in error, error
-        if other != "missing":  # both replicas met in the round's exchange: each says what the other is at
-            assert "different outer rounds" in error, error
+        assert error is not None and result["seconds"] < SHORT_TIMEOUT / 2, (rank, result)
+        assert f"outer round {[2, 1 if load else 0][rank]} failed on the comm lane during totals" in error, error
+        assert f"different outer rounds (rank 0: round 2, rank 1: round {1 if load else 0})" in error, error
 
 
 def run_other(directory: str, options: dict, load: int | None) -> dict:
