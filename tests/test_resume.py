@@ -67,6 +67,25 @@ def test_an_integer_delay_resumes_bit_for_bit(ranks, tmp_path, delay, save_at) -
     assert_identical_across_ranks(resumed)
 
 
+def drop_landing_values(directory: str, step: int) -> None:
+    """This rank's state after ``step`` as an acco that kept no landing values saved it."""
+    path = Path(directory) / f"step{step}.rank{dist.get_rank()}.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["optimizer"]["acco"]["local"]["landing_values"]
+    torch.save(saved, path)
+
+
+def test_a_state_saved_without_landing_values_replays_its_round(ranks, tmp_path) -> None:
+    """A state saved by an earlier acco (a round in flight, no landing values) runs the round's
+    gather leg again at the load, as it did then, and resumes bit for bit."""
+    whole = ranks(2).run(run_rank, str(tmp_path), 3, {"save_at": (18,)}, {})
+    ranks(2).run(drop_landing_values, str(tmp_path), 18)
+    resumed = ranks(2).run(run_rank, str(tmp_path), 3, {"resume_from": 18}, {})
+    for rank in range(2):
+        assert resumed[rank]["error"] is None, resumed[rank]["error"]
+        assert_params_equal(resumed[rank]["params"], whole[rank]["params"])
+
+
 @pytest.mark.parametrize("other", ["fresh", "another round", "missing"])
 def test_a_rank_that_cannot_resume_fails_every_rank_within_the_timeout(ranks, tmp_path, other) -> None:
     """Rank 0 resumes from its state after step 21; rank 1 from nothing (a fresh optimizer from
