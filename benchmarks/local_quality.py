@@ -338,10 +338,40 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
     return "\n\n".join(parts)
 
 
+# The sizing rule's inputs: a round is a reduce-scatter and an all-gather of the model, each rank
+# sending (R - 1) / R of it on each leg; 4-bit rounds send 0.134 of fp32's bytes (int4 blocks of 64
+# values with a bf16 scale each, measured on the wire: docs/loops.md, "Lighter outer rounds").
+WIRE_SHARE = {32: 1.0, 4: 0.134}
+SIZING_PARAMETERS = (85e6, 350e6, 1.3e9, 7e9)
+SIZING_LINKS_GBIT = (1, 10, 100)
+
+
+def round_seconds(parameters: float, replicas: int, link_gbit: float, bits: int = 4) -> float:
+    """Seconds one outer round's traffic takes on a replica's link (each byte sent once)."""
+    sent = 2 * (replicas - 1) / replicas * parameters * 4 * WIRE_SHARE[bits]
+    return sent * 8 / (link_gbit * 1e9)
+
+
+def sizing() -> str:
+    """docs/loops.md's sizing table: a 4-bit round's time against model size and link, R = 2,
+    and the H at which blocking on it costs a sixth of the time for a given inner step."""
+    rows = []
+    for parameters in SIZING_PARAMETERS:
+        sent = 2 * 0.5 * parameters * 4 * WIRE_SHARE[4] / 1e6
+        times = [round_seconds(parameters, 2, gbit) for gbit in SIZING_LINKS_GBIT]
+        rows.append([f"{parameters / 1e6:,.0f}M", f"{sent:,.0f} MB",
+                     *(f"{t:.3g} s (H >= {max(1, math.ceil(5 * t / 0.5))})" for t in times)])
+    return ("A 4-bit outer round's traffic per replica and its time on the link, R = 2, with the smallest H "
+            "for which blocking on it costs at most a sixth of the run for an inner step of 0.5 s "
+            "(`T <= 0.2 H t`, the rule `sync_every=\"auto\"` applies; `local_quality.round_seconds`):\n\n"
+            + common.md_table(["parameters", "sent per round", *(f"{g} Gbit/s" for g in SIZING_LINKS_GBIT)], rows))
+
+
 def blocks(results: dict[str, Any], results_dir: Path) -> dict[str, str]:
-    """docs/loops.md's block (report.py), from every setting's file in ``results_dir``."""
+    """docs/loops.md's blocks (report.py): the quality table from every setting's file in
+    ``results_dir``, and the sizing table."""
     text = report(results_dir)
-    return {"local-quality": text} if text else {}
+    return {"local-sizing": sizing(), **({"local-quality": text} if text else {})}
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:
