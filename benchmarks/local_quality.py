@@ -76,8 +76,9 @@ class Size:
 SIZES: dict[str, Size] = {
     # 0.45M: 4,300 steps x 2 replicas x 8 x 128 tokens = 8.8M tokens, 19.7 per parameter (on 2 cores)
     "tiny": Size(2, 128, 4, 128, 8, 3e-3, 100, 4300),
-    "small": Size(4, 128, 4, 64, 8, 3e-3, 100, 4000),  # the example GPT of time_to_loss.py (0.83M)
-    "large": Size(4, 256, 4, 64, 8, 3e-3, 100, 2000),  # the 3.24M GPT of the old outer grid
+    # the example GPT of time_to_loss.py (0.83M) and the 3.24M GPT, as long as the old outer grid ran them
+    "small": Size(4, 128, 4, 64, 8, 3e-3, 100, 2400),
+    "large": Size(4, 256, 4, 64, 8, 3e-3, 100, 1200),
     "gpt85m": Size(12, 768, 12, 256, 16, 6e-4, 60, 900, device="cuda", mixed=True),  # issue 67's H200 runs
     "gpt125m": Size(18, 768, 12, 256, 16, 6e-4, 60, 900, device="cuda", mixed=True),  # GPT-2 small's size
 }
