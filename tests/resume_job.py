@@ -10,7 +10,7 @@ first form trains them all, saving ``OUT/step{S}.rank{r}.pt`` after each inner s
 ``--save-at``, and writes its record to ``OUT/whole.rank{r}.pt``; the second loads
 ``OUT/step{S}.rank{r}.pt`` into a new model and optimizer, trains on to ``--steps`` and writes
 its record to ``OUT/resumed{S}.rank{r}.pt``. ``--pause R T S``: rank R waits S seconds before
-inner step T (a slow data loader; repeatable); ``--jitter SEED``: each rank waits up to 0.1 s
+its inner step of index T, from 0 (a slow data loader; repeatable); ``--jitter SEED``: each rank waits up to 0.1 s
 before a fifth of its steps, drawn from SEED and the rank. ``--dump S``: every thread's stack
 to stderr if the job still runs after S seconds.
 """
@@ -56,8 +56,8 @@ def run(out: Path, delay: int | str, *, steps: int = STEPS, save_at: Sequence[in
         timeout: float = 30.0) -> dict[str, Any]:
     """This rank's run: from inner step 0, or from ``resume_from`` loading this rank's state saved
     after inner step ``load`` (``"own"``: ``resume_from``; None: loads nothing), to ``steps``,
-    saving after each step of ``save_at``; ``pauses``: seconds this rank waits before an inner
-    step. The record: the parameters after ``finish()``, or the error the run ended with (its
+    saving after each step of ``save_at`` (counted from 1: after ``S`` inner steps); ``pauses``:
+    seconds this rank waits before an inner step (by its index, from 0). The record: the parameters after ``finish()``, or the error the run ended with (its
     type and message) and the seconds from the load to it; whether each saved state had a
     round in flight."""
     rank = dist.get_rank()

@@ -31,11 +31,20 @@ SHORT_TIMEOUT = 10.0  # the optimizer's timeout in the tests of failed resumes
 
 pytestmark = pytest.mark.timeout(120)
 
-# Rank 0's data loader stalls before inner step 15: rank 1 launches the round after step 16 and
-# takes steps 17-21 while that round waits for rank 0, so its save after step 21 holds the round
-# in flight (state_dict() waits for it to finish); rank 0 launches it late, and by step 20 (a
-# shorter stall lets the round finish) it has landed it: its save after 21 holds none.
-APART = {0: {15: 1.5, 19: 0.3}}
+
+def apart(slow: int, launch: int) -> dict[int, float]:
+    """The slow rank's stalls (seconds before an inner step, by its index from 0) that put the
+    replicas apart at the round launched after ``launch`` inner steps: its data loader stalls 2 s
+    before the step ahead of the launch, so the other rank launches the round alone and takes
+    the next steps while it waits for the slow one (a save it takes within a few steps holds the
+    round in flight: state_dict() waits for it to finish); the slow rank launches it late, and
+    waits 1 s more before its first step after the launch, at the end of which it lands it (a
+    save it takes after that step holds the round landed)."""
+    return {launch - 2: 2.0, launch: 1.0}
+
+
+# The issue's case: rank 0 stalls before round 1 (launched after 16 inner steps); the save after 21.
+APART = {0: apart(0, 16)}
 
 
 def run_rank(directory: str, delay: int | str, options: dict, pauses: dict) -> dict:
@@ -141,11 +150,20 @@ def launch(directory: Path, *args: str) -> list[dict]:
     return records
 
 
-# Saved at 20 inner steps, 16 of them inside a round (not right after a launch), from two runs
-# whose ranks drift apart: stalls like APART's before the rounds launched after steps 8 and 24,
-# and random waits (--jitter) of up to 0.1 s before a fifth of each rank's steps.
-AUTO_SAVES = {"--jitter 1 --pause 0 7 1.0 --pause 0 11 0.3 --pause 1 23 1.0 --pause 1 27 0.3": (5, 9, 10, 11, 13, 14, 16, 18, 21, 27),
-              "--jitter 2 --pause 1 15 1.0 --pause 1 19 0.3 --pause 0 31 1.0 --pause 0 35 0.3": (3, 8, 17, 19, 20, 22, 25, 29, 34, 37)}  # fmt: skip
+def stalls(slow: int, launch: int) -> list[str]:
+    """:func:`apart`'s stalls as tests/resume_job.py's ``--pause`` arguments."""
+    return [word for step, seconds in apart(slow, launch).items() for word in ("--pause", str(slow), str(step), str(seconds))]
+
+
+# Two runs, 10 saves each, all but two inside a round (not right after a launch), the ranks apart
+# at two of them (:func:`apart`: no other save between the launch and that one, which would
+# wait for the round) and drifting (--jitter: waits of up to 0.1 s before a fifth of each rank's
+# steps). Per run: its options, its saves, and the saves where rank 0 holds the round in flight
+# and rank 1 landed it ("10") or the reverse ("01").
+AUTO_RUNS = [
+    (["--jitter", "1", *stalls(0, 16), *stalls(1, 32)], (3, 5, 9, 10, 13, 18, 21, 27, 29, 35), {18: "01", 35: "10"}),
+    (["--jitter", "2", *stalls(1, 8), *stalls(0, 24)], (2, 11, 14, 16, 19, 20, 26, 30, 33, 37), {11: "10", 26: "01"}),
+]
 
 
 @pytest.mark.stress
@@ -154,15 +172,14 @@ def test_twenty_auto_resumes_in_new_processes(tmp_path) -> None:
     """sync_delay="auto": 20 resumes, each in 2 new processes, from states saved at 20 inner
     steps, some with the replicas apart (one holding the round in flight, the other landed): none
     hangs, and every replica ends with the same parameters."""
-    apart = 0
-    for number, (how, saves) in enumerate(AUTO_SAVES.items()):
+    for number, (options, saves, split) in enumerate(AUTO_RUNS):
         directory = tmp_path / f"run{number}"
         directory.mkdir()
-        whole = launch(directory, "--delay", "auto", "--save-at", *map(str, saves), *how.split())
-        apart += sum(whole[0]["in_flight"][s] != whole[1]["in_flight"][s] for s in saves)
+        whole = launch(directory, "--delay", "auto", "--save-at", *map(str, saves), *options)
+        for save, pattern in split.items():  # the stalls put the replicas apart there
+            assert "".join(str(int(r["in_flight"][save])) for r in whole) == pattern, (save, whole[0]["in_flight"])
         for save in saves:
             assert_identical_across_ranks(launch(directory, "--delay", "auto", "--resume-from", str(save)))
-    assert apart >= 2, apart  # the stalls put the replicas apart at some saves
 
 
 @pytest.mark.stress
