@@ -17,34 +17,54 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
+from acco.options import LocalOptions, Mode
+from acco.replicas import Pacing, ReplicaReport
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
 from tests.reference import OPTIMIZERS, local_reference, loss_fn, make_model, params_of
 from tests.test_local import MAX_NORM, build, inner_step, run_rank, step_data
 
 pytestmark = pytest.mark.timeout(150)
-# The slow replica's sleep per inner step: far above a fast step of the test's model even on 2
-# loaded cores (a few ms), so the plans asserted below hold whatever the load.
+# The slow replica's sleep per inner step: every step-to-step time it reports holds one, so its
+# reported pace is above it whatever the load; a fast step of the test's model takes a few ms.
 SLOW_STEP_S = 0.1
 
 
 def paced_rank(options: dict, budget: int, sleep: dict | None = None) -> dict:
     """A loop that stops on ``should_stop`` (``stop_after(steps=budget)``); rank r sleeps
-    ``sleep[r]`` seconds per inner step (a slower device)."""
+    ``sleep[r]`` seconds per inner step (a slower device). ``planned``: the plan in force once
+    n rounds had landed (``opt.replica_steps``), by n."""
     rank = this_rank()
     model = make_model(seed=rank)
     opt = build(model, "adamw", **options)
     opt.stop_after(steps=budget)
-    steps = 0
+    steps, planned = 0, {}
     while not opt.should_stop:
         if sleep:  # part of the step's compute, before step() measures it
             time.sleep(sleep.get(rank, 0.0))
         inner_step(opt, model, steps, rank, True)
         steps += 1
+        planned[len(opt.round_stats)] = list(opt.replica_steps)
     opt.finish()
     return {"params": params_of(model), "steps": steps, "outer_rounds": opt.outer_rounds,
             "reports": [None if s.replicas is None else s.replicas.as_dict() for s in opt.round_stats],
             "weights": [s.global_weight for s in opt.round_stats], "replica": opt.replica,
-            "plan": opt.replica_steps}  # fmt: skip
+            "plan": opt.replica_steps, "planned": planned}  # fmt: skip
+
+
+def speed_plans(reports: list[dict | None], sync_every: int, sync_delay: int = 0) -> list[list[int]]:
+    """The plan ``pacing="speed"`` gives after each of ``reports`` (``ReplicaReport.as_dict()``
+    in landing order; None: a round without one), replayed through the library's planner
+    (:class:`acco.replicas.Pacing`) from the first plan: what every replica of the run that
+    reported them must have taken, whatever speeds the load let them measure."""
+    replicas = len(next(report for report in reports if report is not None)["steps"])
+    paced = Pacing(LocalOptions.check(Mode.LOCAL, sync_every, sync_delay, None, None, pacing="speed"))
+    paced.join(0, replicas)
+    paced.announce = False  # (the run's rank 0 warned when plans first differed)
+    plans = []
+    for report in reports:
+        paced.landed(None if report is None else ReplicaReport.from_dict(report))
+        plans.append(list(paced.plan))
+    return plans
 
 
 def paced_expected(schedule: tuple[int, ...], rounds: int, **options) -> dict[str, torch.Tensor]:
@@ -103,23 +123,36 @@ def test_equal_schedule_is_lockstep_bit_for_bit(ranks, bits) -> None:
 
 
 def test_speed_pacing_follows_a_slow_replica(ranks) -> None:
-    """pacing="speed" (the default): rank 1 sleeps SLOW_STEP_S a step, rank 0 none. After the first
-    round (sync_every each: nothing measured yet) every round's plan gives the fast replica
-    sync_every and the slow one at most a third of it (a gap past twice the band: paced at the
-    first report); every rank derives the same plans from the same reports, the replicas stop at
-    the same round and end identical."""
+    """pacing="speed" (the default): rank 1 sleeps SLOW_STEP_S a step, rank 0 none. The first
+    round is lockstep (sync_every each: nothing measured yet); after each landed round both
+    replicas take the plan the library's planner derives from the paces the replicas reported
+    in this run (a replayed :class:`Pacing`), whatever the load made of those paces; the slow
+    replica's reported pace holds its sleep, and the plans pace it below sync_every. Every rank
+    derives the same plans from the same reports, each replica's inner steps are the steps its
+    hand-overs reported, and the replicas stop at the same round and end identical."""
     options = {"sync_every": 6, "sync_delay": 0, "pacing": "speed"}
     results = ranks(2).run(paced_rank, options, 36, {1: SLOW_STEP_S})
     assert_identical_across_ranks([{"params": r["params"]} for r in results])
-    assert results[0]["reports"] == results[1]["reports"] and results[0]["plan"] == results[1]["plan"]
-    assert results[0]["outer_rounds"] == results[1]["outer_rounds"]
-    steps = [report["steps"] for report in results[0]["reports"]]
-    assert steps[0] == [6, 6]
-    assert all(fast == 6 and 1 <= slow <= 2 for fast, slow in steps[1:-1]), steps
-    assert 32 <= results[0]["steps"] <= 36 and results[1]["steps"] < 18  # the fast one waited for 6 slow steps once
-    # The median step time: the sleep counts, the fast replica's wait for the slow one does not.
-    seconds = [report["step_seconds"] for report in results[0]["reports"][:-1]]
-    assert all(slow > SLOW_STEP_S > fast for fast, slow in seconds), seconds
+    assert results[0]["reports"] == results[1]["reports"] and results[0]["outer_rounds"] == results[1]["outer_rounds"]
+    reports = results[0]["reports"]
+    assert reports[0]["steps"] == [6, 6], reports[0]
+    # The mechanism: on every rank, the plan in force once n rounds had landed is the planner's on
+    # the first n reports.
+    replayed = [[6, 6]] + speed_plans(reports, sync_every=6)
+    for result in results:
+        assert all(plan == replayed[n] for n, plan in result["planned"].items()), (result["planned"], replayed, reports)
+    # A genuinely slow replica: its sleep is in each of the step times its pace is measured over,
+    # and the plans took it below sync_every; the fast one kept sync_every.
+    seconds = [report["step_seconds"] for report in reports]
+    assert all(slow > SLOW_STEP_S for _, slow in seconds), seconds
+    planned = list(results[0]["planned"].values())
+    assert any(slow < 6 for _, slow in planned) and all(fast == 6 for fast, _ in planned), planned
+    # Each replica's inner steps are the steps its hand-overs reported (the last round's too); the
+    # fast one asked to stop (stop_after), and one round followed, in which a replica finished (its
+    # finish()'s, or the fast one's regular round if it had stepped on a whole plan meanwhile).
+    assert [r["steps"] for r in results] == [sum(report["steps"][m] for report in reports) for m in range(2)]
+    asked = next(n for n, report in enumerate(reports) if any(report["stop"]))
+    assert reports[asked]["stop"][0] and asked == len(reports) - 2 and any(reports[-1]["finishing"]), reports
 
 
 def peer_finished_rank(options: dict) -> dict:
