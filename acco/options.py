@@ -103,12 +103,15 @@ _WHOLE_TENSOR: tuple[type, ...] = tuple(
 _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 
 
-# mode="local": the outer Nesterov SGD. Chosen on 2026-11-26 as the best of a grid at H = 8 and 240
-# inner steps, for blocking rounds and the estimate rule alike (docs/loops.md, "Local steps that
-# never wait"); measured longer and larger in "The outer optimizer, longer and larger". DiLoCo's own
-# (lr 0.7, momentum 0.9; Douillard et al.) was tuned for H in the hundreds.
-DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
-DEFAULT_SYNC_EVERY = 30
+# mode="local": the outer SGD and H, chosen together on 2026-11-28 against data-parallel at equal
+# tokens (benchmarks/local_quality.py; docs/loops.md, "Local steps against data-parallel"). Each
+# replica's AdamW normalises its own, noisier gradient, so the mean of R replicas' steps is shorter
+# than one data-parallel step on their R batches (by about sqrt(R) where the noise dominates): an
+# outer lr of sqrt(2) (R = 2) without momentum makes it up. Momentum across rounds (DiLoCo's 0.7 /
+# 0.9, the 0.5 / 0.3 of 2026-11-26) and an outer lr of 2 ended 7-34% above data-parallel; H = 4
+# ended within 1% of it, H = 8 within 3%, H = 30 further, at 20 tokens per parameter.
+DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.4, momentum=0.0)
+DEFAULT_SYNC_EVERY = 4
 # sync_every="auto" (acco.replicas.plan_sync_every): H is chosen at each landing from the measured
 # inner step time and the round's own time, within these bounds unless given ("auto", lo, hi). The
 # first round runs the lower bound: measured quickly.
@@ -117,7 +120,8 @@ AUTO_EVERY_BOUNDS = (4, 128)
 
 def default_outer(sync_every: int) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
-    steps per round (the same at every ``sync_every`` measured: docs/loops.md)."""
+    steps per round (the same at H = 4, 8 and 30: docs/loops.md, "Local steps against
+    data-parallel")."""
     return DEFAULT_OUTER
 
 

@@ -103,10 +103,10 @@ class AccoOptimizersContainer(OptimizersContainer):
         """mode='local': bits per value an outer round sends (4, 8, 16 or 32)."""
 
         outer_lr: float | None = None
-        """mode='local': the outer Nesterov SGD's learning rate (None: acco's default)."""
+        """mode='local': the outer SGD's learning rate (None: acco's default)."""
 
         outer_momentum: float | None = None
-        """mode='local': its momentum (None: acco's default)."""
+        """mode='local': its momentum, Nesterov's when above 0 (None: acco's default)."""
 
         elastic: bool = False
         """mode='local': this torchrun job is one replica group of an elastic job; torchft's
@@ -151,10 +151,10 @@ class AccoOptimizersContainer(OptimizersContainer):
                               pacing=LOCKSTEP)
                 if self.outer_lr is not None or self.outer_momentum is not None:
                     outer = DEFAULT_OUTER.keywords
-                    kwargs["outer_optimizer"] = functools.partial(
-                        torch.optim.SGD, nesterov=True,
-                        lr=outer["lr"] if self.outer_lr is None else self.outer_lr,
-                        momentum=outer["momentum"] if self.outer_momentum is None else self.outer_momentum)
+                    momentum = outer["momentum"] if self.outer_momentum is None else self.outer_momentum
+                    kwargs["outer_optimizer"] = functools.partial(  # torch's SGD: Nesterov needs a momentum
+                        torch.optim.SGD, nesterov=momentum > 0, momentum=momentum,
+                        lr=outer["lr"] if self.outer_lr is None else self.outer_lr)
             return kwargs
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
