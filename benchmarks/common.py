@@ -137,8 +137,10 @@ class LocalSpec:
             return None
         parts = rest.split("-")
         try:
-            first = {"auto": "auto", "default": None}.get(parts[0]) if kind == "local" else None
-            spec = cls(kind, first if parts[0] in ("auto", "default") and kind == "local" else int(parts[0]))
+            if kind == "local" and parts[0] in ("auto", "default"):
+                spec = cls(kind, None if parts[0] == "default" else "auto")
+            else:
+                spec = cls(kind, int(parts[0]))
             for part in parts[1:]:
                 if part in ("discard", "keep", "estimate") and kind == "local":
                     spec = dataclasses.replace(spec, overlap=part)
