@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -284,10 +285,10 @@ def compare(data: dict[str, Any]) -> dict[str, Any]:
 def cell_text(cell: str, run: dict[str, Any]) -> str:
     if cell == SYNC:
         return "data-parallel (`sync`)"
-    text = run.get("label") or cell
-    if run.get("outer_optimizer"):
-        text += f"; {run['outer_optimizer'].replace('functools.partial(', '').rstrip(')')}" if cell.startswith(DEFAULTS) else ""
-    return text
+    if cell.startswith(DEFAULTS):  # what the defaults were when it ran: H and the outer optimizer's keywords
+        outer = re.search(r"<class '[\w.]+\.(\w+)'>, (.*)\)$", run.get("outer_optimizer", ""))
+        return f"the library's defaults: H = {run['sync_every'][0]}, " + (f"{outer[1]}({outer[2]})" if outer else "")
+    return run.get("label") or cell
 
 
 def table(name: str, data: dict[str, Any]) -> str:
