@@ -44,7 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from acco.options import LOCKSTEP, SPEED, LocalOptions, Weighting
+from acco.options import SPEED, LocalOptions, Weighting
 
 __all__ = ["APART_REPORTS", "AUTO_HYSTERESIS", "AUTO_SHARE", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
            "PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
