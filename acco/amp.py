@@ -61,4 +61,5 @@ def inverse_scale(optimizer: Any, refusal: str | None, holds_grad_views: bool) -
             "(weighted micro-batches, micro_batch() blocks, a reduce_dtype other than the parameters', or "
             "DTensor parameters). GradScaler works with equal-weight accumulate() calls only"
         )
-    return grad_scale.double().reciprocal().float()
+    # 0-dim: a 1-element tensor would be broadcast, a slower pass over the gradients on CPU.
+    return grad_scale.double().reciprocal().float().reshape(())

@@ -156,7 +156,7 @@ class RoundRunner(LaneWork):
         self._base = list(base_optimizers)
 
     def run(self, round_: Round) -> RoundStats:
-        """One round: the totals' all-reduce, reduce-scatter, clip, update, all-gather.
+        """One round: the totals' all-reduce, reduce-scatter, average (and clip), update, all-gather.
 
         Raises:
             CommLaneError: naming the round and the phase it failed in.
@@ -179,10 +179,13 @@ class RoundRunner(LaneWork):
                         self._comm.reduce_scatter_quantized(group.grad_shard, grads, self._options.estimate_dtype)
                     else:
                         self._comm.reduce_scatter_sum(group.grad_shard, grads)
-                    torch.div(group.grad_shard, update_weight, out=group.master_grad)
-            if self._options.max_grad_norm is not None:
+                if self._options.max_grad_norm is None:
+                    for group in self._groups:
+                        torch.div(group.grad_shard, update_weight, out=group.master_grad)
+            if self._options.max_grad_norm is not None:  # the division by the weight comes with the clipping
                 with record.phase(stats, "grad-norm"):
-                    record.grad_norm(stats, self._device_hooks.host_copy(self._clip(self._options.max_grad_norm)))
+                    norm = self._clip(self._options.max_grad_norm, update_weight)
+                    record.grad_norm(stats, self._device_hooks.host_copy(norm))
             with record.phase(stats, "update"):
                 masters = [group.prepare_master() for group in self._groups]
                 for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
@@ -245,18 +248,24 @@ class RoundRunner(LaneWork):
         totals[3] += self._nonfinite_flag(round_.grads)
         return totals
 
-    def _clip(self, max_norm: float) -> Tensor:
-        """Scale the averaged gradient so its global 2-norm is at most ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_`` would on the full gradient; returns the norm
-        before clipping, on the device. One all-reduce of the squared shard norms (over the
-        whole mesh with DTensor parameters, a replicated one counted once); the scale
-        is computed on the device, so nothing waits for the reduce-scatter on the host."""
-        squares = torch.stack([g.squared_norm(g.master_grad) for g in self._groups]).sum().reshape(1)
+    def _clip(self, max_norm: float, update_weight: float) -> Tensor:
+        """Average the reduced gradient sums into ``master_grad``, scaled so the average's
+        global 2-norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` would on
+        the full gradient; returns that norm before clipping, on the device.
+
+        One fused norm over each shard (:func:`acco.sharding.squared_norm`), one all-reduce of
+        the squares (over the whole mesh with DTensor parameters, a replicated one counted
+        once), and one pass that applies the division by ``update_weight`` and the clipping
+        scale together. The scale stays on the device: nothing waits for the reduce-scatter on
+        the host."""
+        squares = torch.stack([g.squared_norm(g.grad_shard) for g in self._groups]).sum().reshape(1)
         self._mesh_comm.all_reduce_sum_(squares)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        norm = squares.sqrt().div_(update_weight)
+        # 0-dim, so the pass runs in the gradient's dtype (a 1-element float64 tensor would
+        # promote it to float64: several times slower on CPU).
+        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0).div_(update_weight).reshape(())
         for group in self._groups:
-            group.master_grad.mul_(scale)
+            torch.mul(group.grad_shard, scale, out=group.master_grad)
         return norm
 
 
