@@ -259,8 +259,9 @@ class RoundRunner(LaneWork):
         scale together. The scale stays on the device: nothing waits for the reduce-scatter on
         the host."""
         squares = torch.stack([g.squared_norm(g.grad_shard) for g in self._groups]).sum().reshape(1)
+        squares.div_(update_weight * update_weight)  # the average's, as every rank sends
         self._mesh_comm.all_reduce_sum_(squares)
-        norm = squares.sqrt().div_(update_weight)
+        norm = squares.sqrt()
         # 0-dim, so the pass runs in the gradient's dtype (a 1-element float64 tensor would
         # promote it to float64: several times slower on CPU).
         scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0).div_(update_weight).reshape(())
