@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from acco.collectives import Collectives
 from acco.folding import GradFolder
 from acco.module_buffers import BufferSnapshot, BufferSync
-from acco.options import Mode, Options, RoundKind, base_hyperparams, build_base_optimizer
+from acco.options import Mode, Options, RoundKind, base_hyperparams, build_base_optimizer, choose_fused
 from acco.rounds import CommLaneError, LaneRound, Round, RoundSchedule
 from acco.runner import LaneWork, RoundRunner
 from acco.sharding import ShardedGroup
@@ -299,6 +299,8 @@ class UpdateLoop(Loop):
 
     def __init__(self, parts: LoopParts) -> None:
         super().__init__(parts)
+        for group, sharded in zip(parts.param_groups, parts.groups):  # the fastest kernel on a flat shard
+            choose_fused(group, sharded.device, sharded.master_dtype)
         self.shard_optimizers = [
             build_base_optimizer(g, s.master_views, parts.optimizer_class, parts.defaults)
             for g, s in zip(parts.param_groups, parts.groups)

@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -526,6 +526,48 @@ def probe_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict[
 def base_hyperparams(group: dict[str, Any]) -> dict[str, Any]:
     """A copy of a param group's hyper-parameters for the base optimizer (no params)."""
     return {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in group.items() if k not in _NOT_HYPERPARAMS}
+
+
+def _fused_devices() -> tuple[str, ...]:
+    """The device types torch has fused optimizer kernels for (its own list where it has one)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # torch moved it: the two that every release since 2.4 supports
+        return ("cuda", "cpu")
+    return tuple(_get_fused_kernels_supported_devices())
+
+
+def _fused_steps(group: dict[str, Any], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the group's class, with its hyper-parameters and ``fused=True``, steps a
+    ``dtype`` tensor on ``device``: torch checks devices and dtypes only at the first step, and
+    some classes' kernels exist on fewer devices than its list says; one step on a
+    one-element tensor settles it."""
+    probe = torch.zeros(1, dtype=dtype, device=device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        group["optimizer_class"]([{**base_hyperparams(group), "params": [probe], "fused": True}]).step()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def choose_fused(group: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+    """Set ``fused=True`` in a param group whose base optimizer class has a fused kernel, when
+    the user chose neither ``fused`` nor ``foreach`` and the master shard's ``device`` and
+    ``dtype`` allow it: torch's rule (a floating dtype on a device of its fused list; the
+    class's kernel stepping there). At default arguments torch picks ``foreach``, several
+    times slower on a flat shard (each rank steps one model-size tensor). Fused kernels fold
+    the update into one pass and may round differently from ``foreach`` in the last bit."""
+    cls = group["optimizer_class"]
+    accepted = inspect.signature(cls.__init__).parameters
+    if "fused" not in accepted or accepted["fused"].default is not None:
+        return
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return
+    if device.type not in _fused_devices() or not dtype.is_floating_point:
+        return
+    if _fused_steps(group, device, dtype):
+        group["fused"] = True
 
 
 def build_base_optimizer(

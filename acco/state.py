@@ -93,11 +93,12 @@ def restore_groups(
     result_pending = saved["round"]["in_flight_kind"] is not None
     for group, values in zip(param_groups, state_dict["param_groups"]):
         group.update(base_hyperparams(values))
-    for sharded, base, values in zip(groups, base_optimizers, saved["groups"]):
+    for group, sharded, base, values in zip(param_groups, groups, base_optimizers, saved["groups"]):
         sharded.load_master_values(values["master"], result_pending=result_pending)
         sharded.grad_accumulator.copy_(values["grad_accumulator"])
         if base is not None:
-            run_on_lane(functools.partial(_load_base_state, sharded, base, values["base_state"]))
+            steps_on_device = bool(group.get("fused") or group.get("capturable"))
+            run_on_lane(functools.partial(_load_base_state, sharded, base, values["base_state"], steps_on_device))
         if result_pending:
             sharded.gather_input.copy_(values["in_flight_result"])
     if buffer_sync is None or saved.get("buffers") is None:
@@ -181,16 +182,26 @@ def check_state_dict(
     return saved
 
 
-def _load_base_state(sharded: ShardedGroup, base: torch.optim.Optimizer, saved: dict[int, dict[str, Any]]) -> None:
+def _load_base_state(
+    sharded: ShardedGroup, base: torch.optim.Optimizer, saved: dict[int, dict[str, Any]], steps_on_device: bool
+) -> None:
     """Restore a base optimizer's state, keyed by the shard's views (run it on the comm lane,
-    so the state is allocated on the stream that uses and frees it)."""
+    so the state is allocated on the stream that uses and frees it). ``steps_on_device``: a
+    fused or capturable optimizer's ``step`` counts are float32 on the shard's device, as
+    ``torch.optim.Optimizer.load_state_dict`` puts them (a state saved by a ``foreach`` one
+    holds them on the host)."""
     base.state.clear()
     for index, view in enumerate(sharded.master_views):
         if index in saved:
-            base.state[view] = {
-                key: value.to(view.device).clone() if isinstance(value, Tensor) and value.dim() else _clone(value)
-                for key, value in saved[index].items()
-            }
+            base.state[view] = {key: _state_value(key, value, view, steps_on_device) for key, value in saved[index].items()}
+
+
+def _state_value(key: str, value: Any, view: Tensor, steps_on_device: bool) -> Any:
+    if not isinstance(value, Tensor):
+        return copy.deepcopy(value)
+    if key == "step" and steps_on_device:
+        return value.to(device=view.device, dtype=torch.float32, copy=True)
+    return value.to(view.device).clone() if value.dim() else value.clone()
 
 
 def _group_header(group: dict[str, Any], sharded: ShardedGroup) -> dict[str, Any]:
