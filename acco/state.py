@@ -92,7 +92,10 @@ def restore_groups(
     saved = state_dict["acco"]
     result_pending = saved["round"]["in_flight_kind"] is not None
     for group, values in zip(param_groups, state_dict["param_groups"]):
+        fused = group.get("fused")
         group.update(base_hyperparams(values))
+        if values.get("fused") is None and values.get("foreach") is None and fused:
+            group["fused"] = fused  # a state that chose no kernel (saved before acco chose one) keeps this run's
     for group, sharded, base, values in zip(param_groups, groups, base_optimizers, saved["groups"]):
         sharded.load_master_values(values["master"], result_pending=result_pending)
         sharded.grad_accumulator.copy_(values["grad_accumulator"])

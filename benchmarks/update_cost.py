@@ -14,8 +14,8 @@ alone; acco with none, as a user without torch.distributed); world size 2 is two
 repeat, in a rotated order; a figure is the median over repeats of the median of steps
 ``--skip``.. of one run, and each ratio is taken within a repeat (against ``adamw-fused``, side
 by side) before its median. ``copies`` counts the model-size tensors that ``aten::copy_`` wrote
-during one update's ``accumulate()`` + ``step()`` and the comm lane's round (profiled on every
-thread), per parameter of the model.
+during one ``accumulate()`` + ``step()`` and the comm lane's round it launched (profiled on every
+thread), per parameter of the model (``acco``: one of the two rounds of an update).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def table(worlds: list[dict[str, Any]]) -> str:
             rows.append([str(world["world_size"]), name, f"{row['update_ms']:.1f}", f"{row['ratio']:.2f}",
                          f"{row['iteration_ms']:.1f}", f"{row['copies']:.1f}", f"{row['foreign_cpu_share']:.0%}"])
     return common.md_table(["ranks", "method", "update (ms)", "/ adamw-fused", "iteration (ms)",
-                            "copies per update", "other load (max)"], rows)
+                            "copies per step()", "other load (max)"], rows)
 
 
 # The issue's bar (world size 1, CPU): each acco update against torch's fused AdamW + clip_grad_norm_.
