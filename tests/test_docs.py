@@ -109,6 +109,13 @@ def code_defaults() -> dict[str, Default]:
     found["outer_optimizer"] = Default("outer_optimizer", render(outer), '`mode="local"`', MEANING["outer_optimizer"])
     for key, value in outer.keywords.items():
         found[f"outer_optimizer.{key}"] = Default(f"outer_optimizer.{key}", render(value), '`mode="local"`')
+    group = {**options.probe_defaults(torch.optim.AdamW, {}), "optimizer_class": torch.optim.AdamW}
+    options.choose_fused(group, torch.device("cpu"), torch.float32)
+    found["defaults.fused"] = Default(
+        "defaults.fused", render(group["fused"]), "`sync`, `dpu`, `acco`",
+        "`None` in torch's signatures: the base optimizer is built `fused=True` where its class has a fused kernel, "
+        "`**defaults` (or the group) give neither `fused` nor `foreach`, and torch's rule allows the master shard's "
+        "device and dtype (shown: AdamW, fp32 on the CPU); otherwise torch's own default")
     found["framework.pacing"] = Default("framework.pacing", render(FRAMEWORK_PACING), '`mode="local"`',
                                         "`pacing` under `AccoTrainer`, `AccoStrategy` and `AccoFabricStrategy`")
     return found
