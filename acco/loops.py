@@ -110,6 +110,9 @@ class Loop:
             model-size buffer); False only where nothing is computed meanwhile.
         master_in_params: the live parameters hold the committed values at every round
             boundary, so the master shard need not be kept (:class:`~acco.sharding.ShardedGroup`).
+        gathers_into_params: nothing reads the live parameters while a round runs, so they may
+            be views of the all-gather's target, their chunk the master shard stepped in place:
+            a landed round copies nothing (:class:`~acco.sharding.ShardedGroup`).
         grad_scaler_refusal: why a ``torch.amp.GradScaler`` cannot drive this loop (None: it can).
         pending_sums_across_ranks: the gradients accumulated for the next update are summed over
             every rank by it, so a checkpoint may hold their sum on rank 0 (False: each rank's
@@ -129,6 +132,7 @@ class Loop:
     round_kinds: ClassVar[tuple[RoundKind, ...]]
     double_buffered: ClassVar[bool] = True
     master_in_params: ClassVar[bool] = False
+    gathers_into_params: ClassVar[bool] = False
     grad_scaler_refusal: ClassVar[str | None] = None
     pending_sums_across_ranks: ClassVar[bool] = True
     rounds_per_update: ClassVar[int] = 1
@@ -396,6 +400,9 @@ class SyncLoop(UpdateLoop):
     # Each round's result is loaded as the committed parameters: with fp32 parameters those
     # hold the master shard.
     master_in_params = True
+    # step() waits for the round: the parameters are the all-gather's target, the master shard
+    # their chunk (parameters in the master dtype).
+    gathers_into_params = True
     lands_at_once = True
 
 

@@ -308,7 +308,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._groups = build_groups(
             self.param_groups, options, self.rank, self.world_size, inner if self._mesh else None,
             double_buffered=loop_class.double_buffered, master_in_params=loop_class.master_in_params,
-            master=loop_class.keeps_master(options),
+            master=loop_class.keeps_master(options), gather_into_params=loop_class.gathers_into_params,
         )  # fmt: skip
         if self._mesh:  # DCP's get_optimizer_state_dict needs an entry per parameter
             self.state.update(placeholder_state(self.param_groups))

@@ -109,7 +109,7 @@ class LaneWork:
         with self._recorder.phase(stats, "all-gather"):
             for number, group in enumerate(self._groups):
                 if unchanged:
-                    group.gather_input.copy_(group.prepare_master())
+                    group.write_result(group.prepare_master())
                 if delta_from is None:
                     self._comm.all_gather(group.gathered, group.gather_input)
                     continue
@@ -192,7 +192,7 @@ class RoundRunner(LaneWork):
                     if base is not None:
                         step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
                     else:
-                        group.gather_input.copy_(group.master)
+                        group.write_result(group.master)
             self._gather_result(round_, None if light else round_.grads, delta_from=masters if light else None)
         except Exception as error:
             raise self._failed(round_, error) from error
@@ -278,7 +278,7 @@ def step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: di
         param.grad = grad
     if not estimate:
         base.step()
-        group.gather_input.copy_(group.master)
+        group.write_result(group.master)
         return
     estimate_copy = group.shard_copy()
     workspace = group.shard_workspace()

@@ -219,6 +219,7 @@ class ShardedGroup:
         master_in_params: bool = False,
         master: bool = True,
         inner: InnerMesh | None = None,
+        gather_into_params: bool = False,
     ) -> None:
         self.params = list(params)
         # DTensor parameters (docs/design.md, "Meshes"): everything below works on their
@@ -252,10 +253,23 @@ class ShardedGroup:
             and self.multi_rank
             and self.param_dtype == self.reduce_dtype == self.master_dtype == first.dtype
         )
+        # Sync mode with parameters in the master dtype: the parameters become views of one flat
+        # buffer laid out like the round's, which is the all-gather's target and whose chunk r is
+        # the master shard, stepped in place (nothing reads the parameters while a sync round runs).
+        self._param_buffer: Tensor | None = None
+        if gather_into_params and master and inner is None and self.param_dtype == first.dtype == self.master_dtype:
+            self._param_buffer = self.flat_params()
+            self.master_in_params = False
         self.keeps_master = master
         if not master:  # the update on the shards keeps its state elsewhere (an elastic round's)
             self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
             placeholder = self._master
+        elif self._param_buffer is not None:
+            start, stop = plan.rank_range(rank) if self.multi_rank else (0, n)
+            self._master = self._param_buffer[start:stop]
+            placeholder = self._master
+            self._param_views = self._views(self._param_buffer)
+            self._seat_params()
         elif self.master_in_params:
             self._master = torch.empty(0, dtype=self.master_dtype, device=self.device)
             placeholder = self.grad_accumulator[:chunk]  # no storage of its own; moved each round
@@ -265,8 +279,10 @@ class ShardedGroup:
         self._master_grad: Tensor | None = None
         if master and not (self.multi_rank and self.reduce_dtype == self.master_dtype):
             self._master_grad = torch.zeros(chunk, dtype=self.master_dtype, device=self.device)
-        self._gathered: Tensor | None = None
-        if (not self.multi_rank and master) or self.param_dtype.itemsize > self.reduce_dtype.itemsize:
+        self._gathered: Tensor | None = self._param_buffer
+        if self._gathered is None and (
+            (not self.multi_rank and master) or self.param_dtype.itemsize > self.reduce_dtype.itemsize
+        ):
             self._gathered = torch.zeros(n, dtype=self.param_dtype, device=self.device)
         # Views of master (distinct tensors, also in the flat layout) that the base optimizer
         # is built on; point_master_views() may move them to a workspace for one update.
@@ -276,6 +292,20 @@ class ShardedGroup:
         # allocated at the first estimate and reused by every later one.
         self._estimate_copy: ShardCopy | None = None
         self._live_aside: list[Tensor] | None = None  # eval()'s copy of the live parameters
+
+    @property
+    def gathers_into_params(self) -> bool:
+        """The parameters are views of the all-gather's target: a landed round needs no copy."""
+        return self._param_buffer is not None
+
+    def _seat_params(self) -> None:
+        """Make every parameter a view of its slot of the parameter buffer, keeping its values
+        (at construction, and again for a parameter whose ``.data`` the user replaced)."""
+        with torch.no_grad():
+            for param, view in zip(self.params, self._param_views):
+                if param.data_ptr() != view.data_ptr() or param.stride() != view.stride():
+                    view.copy_(param.detach())
+                    param.data = view
 
     @property
     def has_dtensors(self) -> bool:
@@ -370,6 +400,14 @@ class ShardedGroup:
                 self._params_to_shard(self._master)
             self.point_master_views(self._master)
         return self._master
+
+    def write_result(self, shard: Tensor) -> None:
+        """Put this rank's updated ``shard`` into ``gather_input`` for the all-gather (nothing
+        to copy where the update ran there: the master shard inside the parameter buffer)."""
+        target = self.gather_input
+        if target.data_ptr() == shard.data_ptr() and target.dtype == shard.dtype and target.shape == shard.shape:
+            return
+        target.copy_(shard)
 
     def shard_copy(self) -> ShardCopy:
         """The estimate round's copy of the master shard and optimizer state (allocated at
@@ -468,8 +506,8 @@ class ShardedGroup:
             "grad_handover": 0
             if self.grad_handover is None or self.grad_handover is self.grad_accumulator
             else self.grad_handover.nbytes,
-            "gathered": 0 if self._gathered is None else self._gathered.nbytes,
-            "master": 0 if self.master_in_params else self._master.nbytes,
+            "gathered": 0 if self._gathered is None or self.gathers_into_params else self._gathered.nbytes,
+            "master": 0 if self.master_in_params or self.gathers_into_params else self._master.nbytes,
             "master_grad": 0 if self._master_grad is None else self._master_grad.nbytes,
         }
         sizes["estimate_copy"] = 0 if self._estimate_copy is None else self._estimate_copy.nbytes()
@@ -560,6 +598,8 @@ class ShardedGroup:
     def load_params(self, flat: Tensor) -> None:
         """Copy a flat buffer laid out like the round's into the live parameters (in place:
         a DTensor's local tensor)."""
+        if flat is self._param_buffer:  # the parameters are its views already
+            return
         with torch.no_grad():
             torch._foreach_copy_([p.detach() for p in self.locals()], self._views(flat))
 
@@ -604,13 +644,17 @@ class ShardedGroup:
         return [shard[s.offset - start : s.offset - start + s.numel].view(s.shape) for s in slots]
 
     def check_params_unchanged(self, number: int) -> None:
-        """RuntimeError when a parameter's shape or dtype changed since construction."""
+        """RuntimeError when a parameter's shape or dtype changed since construction; a
+        parameter whose ``.data`` was replaced (same shape and dtype) is seated again in the
+        parameter buffer, its new values kept."""
         for index, (param, slot) in enumerate(zip(self.locals(), self.plan.slots)):
             if param.shape != slot.shape or param.dtype != self.param_dtype:
                 raise RuntimeError(
                     f"parameter {index} of group {number} changed to {tuple(param.shape)} {param.dtype} after "
                     f"construction (was {tuple(slot.shape)} {self.param_dtype}): build a new AccoOptimizer"
                 )
+        if self._param_buffer is not None:
+            self._seat_params()
 
     def fingerprint(self) -> str:
         return f"{self.plan.layout.value}:{self.param_dtype}:{self.reduce_dtype}:" + ";".join(

@@ -33,9 +33,11 @@ def build_groups(
     double_buffered: bool,
     master_in_params: bool,
     master: bool = True,
+    gather_into_params: bool = False,
 ) -> list[ShardedGroup]:
     """One :class:`ShardedGroup` per param group, as the mode's loop needs them (its facts
-    ``double_buffered``, ``master_in_params`` and ``master``, :class:`acco.loops.Loop`); with ``inner``
+    ``double_buffered``, ``master_in_params``, ``master`` and ``gathers_into_params``,
+    :class:`acco.loops.Loop`); with ``inner``
     (DTensor parameters) each works on the parameters' local tensors."""
     groups = [
         ShardedGroup(
@@ -48,6 +50,7 @@ def build_groups(
             master_in_params=master_in_params,
             master=master,
             inner=inner,
+            gather_into_params=gather_into_params,
         )
         for g in param_groups
     ]

@@ -142,8 +142,11 @@ def buffers_rank(mode: str, dtype: str) -> dict:
         "bytes": group.buffer_bytes(),
         "n": group.plan.padded_numel,
         "chunk": group.plan.chunk,
-        "shard_in_round_buffer": inside(group.grad_shard, handover) and inside(group.gather_input, handover),
+        "grad_shard_in_round_buffer": inside(group.grad_shard, handover),
+        "gather_input_in_round_buffer": inside(group.gather_input, handover),
         "gathered_is_round_buffer": group.gathered.data_ptr() == handover.data_ptr(),
+        "gathers_into_params": group.gathers_into_params,
+        "params_in_gathered": all(inside(p, group.gathered) for p in group.params),
         "master_grad_is_shard": group.master_grad.data_ptr() == group.grad_shard.data_ptr(),
         "single_buffer": group.grad_handover is group.grad_accumulator,
         "estimate_copies": copies,
@@ -179,8 +182,13 @@ def test_buffers_per_rank_follow_the_formula(ranks, mode, dtype) -> None:
         }
         assert r["bytes"] == expected
         assert r["single_buffer"] is (mode == "sync")
-        assert r["shard_in_round_buffer"] and r["master_grad_is_shard"]
-        assert r["gathered_is_round_buffer"]
+        assert r["grad_shard_in_round_buffer"] and r["master_grad_is_shard"]
+        # sync with fp32 parameters gathers into the parameters themselves (views of one flat
+        # buffer, the master shard their chunk); every other case into the round's buffer
+        into_params = mode == "sync" and dtype == "fp32"
+        assert r["gathers_into_params"] is into_params and r["params_in_gathered"] is into_params
+        assert r["gather_input_in_round_buffer"] is not into_params
+        assert r["gathered_is_round_buffer"] is not into_params
         if mode == "acco":
             assert len(r["estimate_copies"]) >= 3 and all(c == r["estimate_copies"][0] for c in r["estimate_copies"])
         if dtype == "fp32":

@@ -105,3 +105,33 @@ def test_a_state_that_chose_no_kernel_loads_fused_and_continues_alike() -> None:
     again.finish()
     for mine, theirs in zip(model.parameters(), resumed.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=0.0, atol=0.0)
+
+
+def test_sync_gathers_into_the_parameters_and_follows_a_replaced_tensor() -> None:
+    """sync with fp32 parameters: they are views of the all-gather's target (a landed round copies
+    nothing), and a parameter whose ``.data`` the user replaced is updated from its new values."""
+    model, reference = wide_model(), wide_model()
+    opt = AccoOptimizer(model, torch.optim.AdamW, mode="sync", lr=1e-2)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    group = opt.sharded_groups[0]
+    assert group.gathers_into_params
+    start = group.gathered.data_ptr()
+    end = start + group.gathered.nbytes
+    assert all(start <= p.data_ptr() < end for p in model.parameters())
+    data = torch.Generator().manual_seed(4)
+    for step in range(3):
+        if step == 1:
+            replaced = torch.randn(model[0].weight.shape, generator=data)
+            model[0].weight.data = replaced.clone()
+            reference[0].weight.data = replaced.clone()
+        x = torch.randn(16, 300, generator=data)
+        for net in (model, reference):
+            net(x).square().mean().backward()
+        opt.accumulate()
+        opt.step()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+    opt.finish()
+    assert start <= model[0].weight.data_ptr() < end  # seated again
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs)
