@@ -29,6 +29,7 @@ import profile_lanes
 import throughput
 import time_to_loss
 import two_nodes
+import update_cost
 from common import BENCH_DIR, RESULTS_DIR, md_table, minutes
 
 __all__ = ["main", "place"]
@@ -36,7 +37,7 @@ __all__ = ["main", "place"]
 READMES = (BENCH_DIR / "README.md", common.REPO_ROOT / "README.md", *sorted((common.REPO_ROOT / "docs").glob("*.md")))
 # In the order of the runtimes table; results files are named after each one's Benchmark.
 BENCHMARKS: tuple[ModuleType, ...] = (throughput, convergence, memory, time_to_loss, profile_lanes, gpu_overlap,
-                                      two_nodes, example_runs, lightning_slow_link, local_quality)
+                                      two_nodes, example_runs, lightning_slow_link, local_quality, update_cost)
 
 
 def generate(results_dir: Path) -> dict[str, str]:
