@@ -27,7 +27,7 @@ from acco.options import NonFinite, Options, RoundKind
 from acco.rounds import CommLaneError, LaneRound, Round
 from acco.telemetry import RoundStats, StatsRecorder
 
-__all__ = ["LaneWork", "RoundRunner", "step_shard"]
+__all__ = ["LaneWork", "RoundRunner", "average_and_step", "step_shard"]
 
 
 class LaneWork:
@@ -179,18 +179,17 @@ class RoundRunner(LaneWork):
                         self._comm.reduce_scatter_quantized(group.grad_shard, grads, self._options.estimate_dtype)
                     else:
                         self._comm.reduce_scatter_sum(group.grad_shard, grads)
-                if self._options.max_grad_norm is None:
-                    for group in self._groups:
-                        torch.div(group.grad_shard, update_weight, out=group.master_grad)
-            if self._options.max_grad_norm is not None:  # the division by the weight comes with the clipping
+            # What the reduced sums are divided by: the update weight, and the clipping scale's inverse.
+            divisor: float | Tensor = update_weight
+            if self._options.max_grad_norm is not None:
                 with record.phase(stats, "grad-norm"):
-                    norm = self._clip(self._options.max_grad_norm, update_weight)
+                    norm, divisor = self._clip(self._options.max_grad_norm, update_weight)
                     record.grad_norm(stats, self._device_hooks.host_copy(norm))
             with record.phase(stats, "update"):
                 masters = [group.prepare_master() for group in self._groups]
                 for group, base, hyperparams in zip(self._groups, self._base, round_.hyperparams):
                     if base is not None:
-                        step_shard(group, base, hyperparams, estimate=round_.kind is RoundKind.ESTIMATE)
+                        average_and_step(group, base, hyperparams, round_.kind is RoundKind.ESTIMATE, divisor)
                     else:
                         group.write_result(group.master)
             self._gather_result(round_, None if light else round_.grads, delta_from=masters if light else None)
@@ -248,33 +247,55 @@ class RoundRunner(LaneWork):
         totals[3] += self._nonfinite_flag(round_.grads)
         return totals
 
-    def _clip(self, max_norm: float, update_weight: float) -> Tensor:
-        """Average the reduced gradient sums into ``master_grad``, scaled so the average's
-        global 2-norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` would on
-        the full gradient; returns that norm before clipping, on the device.
+    def _clip(self, max_norm: float, update_weight: float) -> tuple[Tensor, Tensor]:
+        """The global 2-norm of the averaged gradient (the reduced sums over ``update_weight``),
+        as ``torch.nn.utils.clip_grad_norm_`` would take it on the full gradient, and what the
+        sums are divided by to average and clip them at once (a 0-dim tensor); both on the
+        device, so nothing waits for the reduce-scatter on the host.
 
-        One fused norm over each shard (:func:`acco.sharding.squared_norm`), one all-reduce of
-        the squares (over the whole mesh with DTensor parameters, a replicated one counted
-        once), and one pass that applies the division by ``update_weight`` and the clipping
-        scale together. The scale stays on the device: nothing waits for the reduce-scatter on
-        the host."""
+        One fused norm over each shard (:func:`acco.sharding.squared_norm`) and one all-reduce
+        of the squares (over the whole mesh with DTensor parameters, a replicated one counted
+        once); the division is left to the update (:func:`step_shard`)."""
         squares = torch.stack([g.squared_norm(g.grad_shard) for g in self._groups]).sum().reshape(1)
         squares.div_(update_weight * update_weight)  # the average's, as every rank sends
         self._mesh_comm.all_reduce_sum_(squares)
         norm = squares.sqrt()
-        # 0-dim, so the pass runs in the gradient's dtype (a 1-element float64 tensor would
-        # promote it to float64: several times slower on CPU).
-        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0).div_(update_weight).reshape(())
-        for group in self._groups:
-            torch.mul(group.grad_shard, scale, out=group.master_grad)
-        return norm
+        scale = (max_norm / (norm + 1e-6)).clamp_(max=1.0)
+        return norm, (update_weight / scale).reshape(())
 
 
-def step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool) -> None:
-    """Run an optimizer on this rank's shard (the master shard, with ``master_grad``) into
-    ``gather_input``; an estimate leaves the master shard and the optimizer state as it found them."""
+def average_and_step(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool,
+                     divisor: float | Tensor) -> None:
+    """:func:`step_shard` on the reduced gradient sums ``grad_shard`` divided by ``divisor``.
+
+    A fused optimizer that takes a ``grad_scale`` (GradScaler's contract, ``_step_supports_amp_scaling``)
+    divides the gradient in its own pass, reading ``grad_shard`` itself; any other gets the
+    quotient in ``master_grad``, one pass before it steps."""
     base.param_groups[0].update(hyperparams)
-    for param, grad in zip(group.master_views, group.shard_views(group.master_grad)):
+    folds = (
+        base.param_groups[0].get("fused") is True
+        and getattr(base, "_step_supports_amp_scaling", False)
+        and group.grad_shard.dtype == group.master_dtype
+    )
+    if not folds:
+        torch.div(group.grad_shard, divisor, out=group.master_grad)
+        step_shard(group, base, hyperparams, estimate)
+        return
+    # float32 on the shard's device, as the fused kernels read GradScaler's scale
+    base.grad_scale = torch.as_tensor(divisor, device=group.device).to(torch.float32).reshape(1)
+    try:
+        step_shard(group, base, hyperparams, estimate, grads=group.grad_shard)
+    finally:
+        base.grad_scale = None
+
+
+def step_shard(group: ShardedGroup, base: torch.optim.Optimizer, hyperparams: dict, estimate: bool,
+               grads: Tensor | None = None) -> None:
+    """Run an optimizer on this rank's shard (the master shard, with ``master_grad``, or
+    ``grads``) into ``gather_input``; an estimate leaves the master shard and the optimizer state
+    as it found them."""
+    base.param_groups[0].update(hyperparams)
+    for param, grad in zip(group.master_views, group.shard_views(group.master_grad if grads is None else grads)):
         param.grad = grad
     if not estimate:
         base.step()
