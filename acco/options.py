@@ -552,13 +552,15 @@ def _fused_steps(group: dict[str, Any], device: torch.device, dtype: torch.dtype
 
 
 def choose_fused(group: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
-    """Set ``fused=True`` in a param group whose base optimizer class has a fused kernel, when
-    the user chose neither ``fused`` nor ``foreach`` and the master shard's ``device`` and
-    ``dtype`` allow it: torch's rule (a floating dtype on a device of its fused list; the
+    """Set ``fused=True`` in a param group whose base optimizer (one of torch's own classes) has
+    a fused kernel, when the user chose neither ``fused`` nor ``foreach`` and the master shard's
+    ``device`` and ``dtype`` allow it: torch's rule (a floating dtype on a device of its fused list; the
     class's kernel stepping there). At default arguments torch picks ``foreach``, several
     times slower on a flat shard (each rank steps one model-size tensor). Fused kernels fold
     the update into one pass and may round differently from ``foreach`` in the last bit."""
     cls = group["optimizer_class"]
+    if not cls.__module__.startswith("torch.optim"):  # a subclass's step() may be anything: left as given
+        return
     accepted = inspect.signature(cls.__init__).parameters
     if "fused" not in accepted or accepted["fused"].default is not None:
         return

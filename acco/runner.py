@@ -154,6 +154,13 @@ class RoundRunner(LaneWork):
     ) -> None:
         super().__init__(groups, *args, **kwargs)
         self._base = list(base_optimizers)
+        self._one_rank = not any(g.multi_rank for g in self._groups) and self._mesh_comm is self._comm
+        self._squares = torch.zeros(0)  # this round's, set by its totals before _clip reads them
+
+    @property
+    def _squares_serve_clip(self) -> bool:
+        """With one rank and clipping, the non-finite check takes the squared norms _clip needs."""
+        return self._one_rank and self._options.max_grad_norm is not None
 
     def run(self, round_: Round) -> RoundStats:
         """One round: the totals' all-reduce, reduce-scatter, average (and clip), update, all-gather.
@@ -244,8 +251,15 @@ class RoundRunner(LaneWork):
         if local.device is not None:
             totals[1] += local.device[0]
             totals[4] += local.device[1]
-        totals[3] += self._nonfinite_flag(round_.grads)
+        totals[3] += self._squares_flag(round_) if self._squares_serve_clip else self._nonfinite_flag(round_.grads)
         return totals
+
+    def _squares_flag(self, round_: Round) -> Tensor:
+        """The non-finite flag from the squared norms of ``round_``'s gradients, kept for
+        :meth:`_clip`: with one rank the reduce-scatter leaves the sums where they are, so
+        the one pass over them serves both (a square is NaN or inf whenever an element is)."""
+        self._squares = torch.stack([g.squared_norm(grads) for g, grads in zip(self._groups, round_.grads)])
+        return (~torch.isfinite(self._squares)).any().double()
 
     def _clip(self, max_norm: float, update_weight: float) -> tuple[Tensor, Tensor]:
         """The global 2-norm of the averaged gradient (the reduced sums over ``update_weight``),
@@ -256,7 +270,10 @@ class RoundRunner(LaneWork):
         One fused norm over each shard (:func:`acco.sharding.squared_norm`) and one all-reduce
         of the squares (over the whole mesh with DTensor parameters, a replicated one counted
         once); the division is left to the update (:func:`step_shard`)."""
-        squares = torch.stack([g.squared_norm(g.grad_shard) for g in self._groups]).sum().reshape(1)
+        if self._squares_serve_clip:  # taken with this round's non-finite flag (one rank)
+            squares = self._squares.sum().reshape(1)
+        else:
+            squares = torch.stack([g.squared_norm(g.grad_shard) for g in self._groups]).sum().reshape(1)
         squares.div_(update_weight * update_weight)  # the average's, as every rank sends
         self._mesh_comm.all_reduce_sum_(squares)
         norm = squares.sqrt()

@@ -113,7 +113,7 @@ def code_defaults() -> dict[str, Default]:
     options.choose_fused(group, torch.device("cpu"), torch.float32)
     found["defaults.fused"] = Default(
         "defaults.fused", render(group["fused"]), "`sync`, `dpu`, `acco`",
-        "`None` in torch's signatures: the base optimizer is built `fused=True` where its class has a fused kernel, "
+        "`None` in torch's signatures: the base optimizer is built `fused=True` where it is one of torch's classes with a fused kernel, "
         "`**defaults` (or the group) give neither `fused` nor `foreach`, and torch's rule allows the master shard's "
         "device and dtype (shown: AdamW, fp32 on the CPU); otherwise torch's own default")
     found["framework.pacing"] = Default("framework.pacing", render(FRAMEWORK_PACING), '`mode="local"`',
