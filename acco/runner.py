@@ -298,8 +298,12 @@ def average_and_step(group: ShardedGroup, base: torch.optim.Optimizer, hyperpara
         torch.div(group.grad_shard, divisor, out=group.master_grad)
         step_shard(group, base, hyperparams, estimate)
         return
-    # float32 on the shard's device, as the fused kernels read GradScaler's scale
-    base.grad_scale = torch.as_tensor(divisor, device=group.device).to(torch.float32).reshape(1)
+    # float32 on the shard's device, as the fused kernels read GradScaler's scale; a number is
+    # filled in by a kernel (a host-to-device copy from pageable memory would wait for the stream)
+    if isinstance(divisor, Tensor):
+        base.grad_scale = divisor.to(torch.float32).reshape(1)
+    else:
+        base.grad_scale = torch.full((1,), divisor, dtype=torch.float32, device=group.device)
     try:
         step_shard(group, base, hyperparams, estimate, grads=group.grad_shard)
     finally:
