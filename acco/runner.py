@@ -269,7 +269,7 @@ class RoundRunner(LaneWork):
 
         One fused norm over each shard (:func:`acco.sharding.squared_norm`) and one all-reduce
         of the squares (over the whole mesh with DTensor parameters, a replicated one counted
-        once); the division is left to the update (:func:`step_shard`)."""
+        once); the division is left to the update (:func:`average_and_step`)."""
         if self._squares_serve_clip:  # taken with this round's non-finite flag (one rank)
             squares = self._squares.sum().reshape(1)
         else:
@@ -288,9 +288,8 @@ def average_and_step(group: ShardedGroup, base: torch.optim.Optimizer, hyperpara
     A fused optimizer that takes a ``grad_scale`` (GradScaler's contract, ``_step_supports_amp_scaling``)
     divides the gradient in its own pass, reading ``grad_shard`` itself; any other gets the
     quotient in ``master_grad``, one pass before it steps."""
-    base.param_groups[0].update(hyperparams)
     folds = (
-        base.param_groups[0].get("fused") is True
+        hyperparams.get("fused", base.param_groups[0].get("fused")) is True
         and getattr(base, "_step_supports_amp_scaling", False)
         and group.grad_shard.dtype == group.master_dtype
     )
