@@ -195,7 +195,11 @@ class ShardedGroup:
     every round boundary) and every dtype the master dtype, it is not kept at all: each
     round copies it from the live parameters into a chunk of the round's buffer already
     sent (:meth:`shard_workspace`) and steps it there; :meth:`prepare_master` does that
-    once per round, on the comm lane.
+    once per round, on the comm lane. With ``gather_into_params`` (sync, whose step() waits for
+    the round) and the parameters in the master dtype, the parameters themselves become views
+    of one flat buffer laid out like the round's (:attr:`gathers_into_params`): it is
+    ``gathered``, its chunk ``r`` the master shard, stepped in place and all-gathered in place,
+    so a landed round copies nothing.
 
     Per rank, with P parameters, N ranks and the bytes of each dtype ``b_*``:
     ``P b_reduce`` (accumulator) + ``P b_reduce`` (hand-over, not in sync) +
