@@ -364,7 +364,11 @@ def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, 
     each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
     passing: a rank killed from outside, a replica dying inside a round. (Ten kills of a group
     and ten of a rank of a 2-rank group: the stress tier, tests/test_stress.py.)"""
-    group: list[str] = []
+    # A fixed grace window: the adaptive one grows with the spread of hand-over times, which a busy
+    # machine widens to seconds; the survivor then rightly holds its round for a group that restarts
+    # within it, and never trains alone. 0.5 s is below a restart's cold start (about 3 s quiet, more
+    # loaded), so the survivor lands rounds alone once the lighthouse has seen replica 1 gone.
+    group: list[str] = ["--grace", "0.5"]
     reference = tmp_path / "uninterrupted"
     outcomes: dict[int, Path] = {}
     failed = []
@@ -432,11 +436,36 @@ LATE = ["--replicas", "3", "--steps", "240", "--step-seconds", "0.05", "--micro-
         "--timeout", "10", "--quorum-timeout", "60", "--pacing", "lockstep"]  # after RUN: later options win  # fmt: skip
 
 
-def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> None:
+def counted_steps(directory: Path, index: int) -> int:
+    """Group ``index``'s inner steps by the documented rule (docs/elastic.md, "A late group keeps
+    its progress"), checked round by round: a landed round counts every inner step since the
+    group's last landed round, except where the group dropped a round since and then took the
+    newest global values by content: those count 0 (its progress may be in them already: the
+    two-generals case). Asserts that the counted steps and those so lost add up to the group's
+    inner steps; returns the lost ones."""
+    rounds = [r for r in records(directory, index) if not r.get("final")]
+    table = "\n".join(f"round {r['round']} inner step {r['inner_step']} participants {r['participants']} dropped "
+                      f"{r['dropped']} counted {r['counted']} content heal {r['content_heal']}" for r in rounds)  # fmt: skip
+    since = lost = 0  # the inner step of the last landed round; the steps lost
+    landed = dropped = False
+    for r in rounds:
+        if r["dropped"]:
+            dropped = dropped or landed
+            continue
+        steps = r["inner_step"] - since
+        taken = dropped and r["content_heal"]
+        assert (r["counted"] or 0) == (0 if taken else steps), f"group {index}, round {r['round']}:\n{table}"
+        lost += steps if taken else 0
+        since, landed, dropped = r["inner_step"], True, False
+    assert sum(r["counted"] or 0 for r in rounds) + lost == records(directory, index)[-1]["inner_step"], table
+    return lost
+
+
+def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> int:
     """Group 2 was late (stalled or paused): groups 0 and 1 landed rounds without it meanwhile
     (and, ``rate_checked``, kept at least 0.9 of their rate in the run without it); group 2's
-    inner steps all counted (``counted`` sums to them: none replaced by a heal); every group ends
-    identical."""
+    inner steps count by :func:`counted_steps`' rule and it took the newest global values by
+    content; every group ends identical. Returns group 2's steps lost by the rule."""
     finals = {(directory / f"replica-{i}.final").read_text() for i in range(3)}
     assert len(finals) == 1, finals
     for index in (0, 1):
@@ -445,8 +474,8 @@ def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> Non
                                                                                        rate(baseline, index, 240))
         assert sum(1 for r in records(directory, index) if r.get("participants") == 2 and not r["dropped"]) >= 5
     late = records(directory, 2)
-    assert sum(r["counted"] or 0 for r in late if not r.get("final")) == late[-1]["inner_step"], late
     assert any(r["content_heal"] for r in late if not r.get("final")), late  # it took the newest global values
+    return counted_steps(directory, 2)
 
 
 @pytest.mark.timeout(240)
@@ -482,6 +511,10 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_ch
     if rate_checked:
         assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
         for i in range(3):  # without a stall every step counts too
-            assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
-    check_late_group(stalled, baseline, rate_checked)
+            assert counted_steps(baseline, i) == 0
+    # The stalled group heartbeats and sleeps in its training loop, in no round: none of its steps
+    # is lost. The paused one may be stopped inside a round on a busy machine (the pause follows
+    # its third landed round by however long this thread takes to see it): its peers then drop
+    # that round, and by the rule its steps since its last landed round are lost.
+    assert check_late_group(stalled, baseline, rate_checked) == 0
     check_late_group(paused, baseline, rate_checked)
