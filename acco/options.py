@@ -104,14 +104,13 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 
 
 # mode="local": the outer SGD and H, chosen together on 2026-11-28 against data-parallel at equal
-# tokens (benchmarks/local_quality.py; docs/loops.md, "Local steps against data-parallel"). Each
-# replica's AdamW normalises its own, noisier gradient, so the mean of R replicas' steps is shorter
-# than one data-parallel step on their R batches (by up to sqrt(R) where the noise dominates): an
-# outer lr above 1 without momentum makes it up. At R = 2, 20 tokens per parameter: lr 1.2 and 1.4
-# ended 0.5% above data-parallel at H = 4 (1.2 ahead at H = 8: 1.7% against 2.7%); momentum across
-# rounds (DiLoCo's 0.7 / 0.9, the 0.5 / 0.3 of 2026-11-26) 7-9% above it, lr 2 34%. 1.2 rather than
-# sqrt(2): a replica alone in a round (elastic groups) overshoots by the lr's excess over 1.
-DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.2, momentum=0.0)
+# tokens (benchmarks/local_quality.py; docs/loops.md, "Local steps against data-parallel"). At
+# R = 2, H = 4, no momentum: lr 1.0, 1.2 and 1.4 ended 0.39%, 0.48% and 0.51% above data-parallel
+# at 20 tokens per parameter (0.47% and 0.65% for 1.0 and 1.2 at the 0.83M example); momentum
+# across rounds (DiLoCo's 0.7 / 0.9, the 0.5 / 0.3 of 2026-11-26) 7-9% above it at H = 8, lr 2 34%.
+# lr 1.0, plain averaging: as good as any, and a replica alone in a round (an elastic group lost)
+# moves the global values by its own progress, no more (an lr above 1 overshoots by its excess).
+DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
 DEFAULT_SYNC_EVERY = 4
 # sync_every="auto" (acco.replicas.plan_sync_every): H is chosen at each landing from the measured
 # inner step time and the round's own time, within these bounds unless given ("auto", lo, hi). The
