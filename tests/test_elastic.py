@@ -313,10 +313,9 @@ def killed_run(directory: Path, run: int, *extra: str) -> subprocess.Popen:
     inside = run % 2 == 1
     process = launch(directory, *extra, *(["--die-in-round", f"1:{rng.randint(3, 9)}"] if inside else []))
     if not inside:
-        def kill() -> None:
-            deadline = time.monotonic() + 60
+        def kill() -> None:  # no deadline but the job's: a busy machine can take a minute to start it
             while landed(directory, 1) < 2:
-                if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is not None:
                     return  # the checks below fail: no restart
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.0, 1.5))
@@ -345,10 +344,10 @@ def check_run(directory: Path, uninterrupted: float) -> None:
     assert [r["round"] for r in landed] == list(range(1, len(landed) + 1))
     assert not rounds[-1]["dropped"] and landed[-1]["inner_step"] == STEPS
     assert sum(r["dropped"] for r in rounds) <= 1
+    pids = [r["pid"] for r in killed if not r.get("final")]
+    assert len(set(pids)) == 2, "replica 1 was not killed and restarted"
     alone = [r for r in landed if r["participants"] == 1]
     assert alone, "the survivor took no inner step while replica 1 was gone"
-    pids = [r["pid"] for r in killed if not r.get("final")]
-    assert len(set(pids)) == 2, "replica 1 was not restarted"
     after = [r for r in killed if r.get("pid") == pids[-1]]
     assert len(after) >= 2 and all(r["participants"] == 2 for r in after if not r["dropped"])
     assert survivor[-1]["eval_loss"] == killed[-1]["eval_loss"]
@@ -364,11 +363,7 @@ def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, 
     each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
     passing: a rank killed from outside, a replica dying inside a round. (Ten kills of a group
     and ten of a rank of a 2-rank group: the stress tier, tests/test_stress.py.)"""
-    # A fixed grace window: the adaptive one grows with the spread of hand-over times, which a busy
-    # machine widens to seconds; the survivor then rightly holds its round for a group that restarts
-    # within it, and never trains alone. 0.5 s is below a restart's cold start (about 3 s quiet, more
-    # loaded), so the survivor lands rounds alone once the lighthouse has seen replica 1 gone.
-    group: list[str] = ["--grace", "0.5"]
+    group: list[str] = []
     reference = tmp_path / "uninterrupted"
     outcomes: dict[int, Path] = {}
     failed = []
@@ -492,10 +487,9 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_ch
     if rate_checked:
         processes.append(launch(baseline, *LATE))
 
-    def pause() -> None:
-        deadline = time.monotonic() + 60
+    def pause() -> None:  # no deadline but the job's: a busy machine can take a minute to start it
         while landed(paused, 2) < 3:
-            if processes[1].poll() is not None or time.monotonic() > deadline:
+            if processes[1].poll() is not None:
                 return  # the checks below fail
             time.sleep(0.01)
         pid = int((paused / "replica-2.pid").read_text())  # just landed a round: in its inner steps
