@@ -39,6 +39,9 @@ from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from elastic_stress import alone_share, expected_loss  # noqa: E402
+
 pytestmark = pytest.mark.timeout(180)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elastic_local.py"
 
@@ -325,10 +328,12 @@ def killed_run(directory: Path, run: int, *extra: str) -> subprocess.Popen:
     return process
 
 
-def check_run(directory: Path, uninterrupted: float) -> None:
+def check_run(directory: Path, uninterrupted: float, solo: float) -> None:
     """Replica 0 took inner steps alone while replica 1 was gone and lost no round; replica 1 was
     restarted, healed and trained with it again; both ended at the same global values, the held-out
-    loss within 2% of the uninterrupted run."""
+    loss within 2% of the one expected from replica 0's share of inner steps taken alone (between
+    the uninterrupted run's and replica 0 alone's: elastic_stress.expected_loss; a restart takes
+    about 3 s of an 18 s run on a quiet machine, and on a busy one can outlast the run)."""
     survivor, killed = records(directory, 0), records(directory, 1)
     assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text()
     rounds = [r for r in survivor if not r.get("final")]
@@ -351,7 +356,10 @@ def check_run(directory: Path, uninterrupted: float) -> None:
     after = [r for r in killed if r.get("pid") == pids[-1]]
     assert len(after) >= 2 and all(r["participants"] == 2 for r in after if not r["dropped"])
     assert survivor[-1]["eval_loss"] == killed[-1]["eval_loss"]
-    assert abs(survivor[-1]["eval_loss"] - uninterrupted) <= 0.02 * uninterrupted, (survivor[-1], uninterrupted)
+    share = alone_share(rounds, 2)
+    expected = expected_loss(uninterrupted, solo, share)
+    assert abs(survivor[-1]["eval_loss"] - expected) <= 0.02 * expected, (survivor[-1]["eval_loss"], expected, share,
+                                                                         uninterrupted, solo)  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -359,18 +367,20 @@ def check_run(directory: Path, uninterrupted: float) -> None:
     pytest.param([[0, 1]], id="two"),
 ])  # fmt: skip
 def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, batches) -> None:
-    """Runs of :func:`killed_run` (three at a time; the uninterrupted run beside the last ones),
-    each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
+    """Runs of :func:`killed_run` (two at a time; the uninterrupted run and replica 0 alone beside
+    the last ones), each checked by :func:`check_run` against their held-out losses, every one
     passing: a rank killed from outside, a replica dying inside a round. (Ten kills of a group
     and ten of a rank of a 2-rank group: the stress tier, tests/test_stress.py.)"""
     group: list[str] = []
-    reference = tmp_path / "uninterrupted"
+    reference, solo = tmp_path / "uninterrupted", tmp_path / "solo"
     outcomes: dict[int, Path] = {}
     failed = []
     for number, batch in enumerate(batches):
         runs = {n: (tmp_path / f"run-{n}", killed_run(tmp_path / f"run-{n}", n, *group)) for n in batch}
         if number == len(batches) - 1:
-            finish(launch(reference, *group), reference)
+            references = {reference: launch(reference, *group), solo: launch(solo, *group, "--replicas", "1")}
+            for directory, process in references.items():
+                finish(process, directory)
         for n, (directory, process) in runs.items():
             try:
                 finish(process, directory)
@@ -381,7 +391,7 @@ def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, 
     assert finals[0]["eval_loss"] == finals[1]["eval_loss"]
     for n, directory in sorted(outcomes.items()):
         try:
-            check_run(directory, finals[0]["eval_loss"])
+            check_run(directory, finals[0]["eval_loss"], records(solo, 0)[-1]["eval_loss"])
         except AssertionError as error:
             failed.append(f"run {n}: {error}")
     for server in LIGHTHOUSES:
