@@ -33,7 +33,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from acco import AccoOptimizer  # noqa: E402
+from acco import AccoOptimizer, default_outer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
 from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
@@ -155,7 +155,7 @@ def test_rounds_without_failures_are_the_local_recurrence_at_4_bits() -> None:
         assert torch.equal(params0[name], params1[name]), name
     data = [[step_data(t, m) for m in range(2)] for t in range(steps)]
     expected = local_reference(params_of(make_model()), "adamw", data, sync_every=H, sync_delay=0, max_norm=MAX_NORM,
-                               outer_bits=4)[0]  # fmt: skip
+                               outer_bits=4, outer=default_outer(H, elastic=True))[0]  # the elastic default  # fmt: skip
     assert_params_close(params0, expected, rtol=1e-5, atol=1e-6)
 
 
