@@ -181,8 +181,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             fixed number of inner steps in ``[0, sync_every]`` or ``"half"`` (bit-for-bit
             reproducible).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
-            (default :func:`acco.default_outer`: ``partial(SGD, lr=1.2, momentum=0.0)``,
-            measured against data-parallel at ``sync_every`` 4-30), stepped on this rank's 1/R
+            (default :func:`acco.default_outer`: ``partial(SGD, lr=1.0, momentum=0.0)``,
+            measured against data-parallel at ``sync_every`` 4-30; with ``membership=``,
+            Nesterov lr 0.5 / momentum 0.3, measured under killed groups), stepped on this rank's 1/R
             shard of the global values with the mean pseudo-gradient.
         overlap: ``local`` only: what the inner steps taken while an outer round is in flight
             start from and become: ``"estimate"`` (the default where the outer optimizer's step

@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -104,14 +104,18 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 
 
 # mode="local": the outer SGD and H, chosen together on 2026-11-28 against data-parallel at equal
-# tokens (benchmarks/local_quality.py; docs/loops.md, "Local steps against data-parallel"). Each
-# replica's AdamW normalises its own, noisier gradient, so the mean of R replicas' steps is shorter
-# than one data-parallel step on their R batches (by up to sqrt(R) where the noise dominates): an
-# outer lr above 1 without momentum makes it up. At R = 2, 20 tokens per parameter: lr 1.2 and 1.4
-# ended 0.5% above data-parallel at H = 4 (1.2 ahead at H = 8: 1.7% against 2.7%); momentum across
-# rounds (DiLoCo's 0.7 / 0.9, the 0.5 / 0.3 of 2026-11-26) 7-9% above it, lr 2 34%. 1.2 rather than
-# sqrt(2): a replica alone in a round (elastic groups) overshoots by the lr's excess over 1.
-DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.2, momentum=0.0)
+# tokens (benchmarks/local_quality.py; docs/loops.md, "Local steps against data-parallel"). At
+# R = 2, H = 4, no momentum: lr 1.0, 1.2 and 1.4 ended 0.39%, 0.48% and 0.51% above data-parallel
+# at 20 tokens per parameter (0.47% and 0.65% for 1.0 and 1.2 at the 0.83M example); momentum
+# across rounds (DiLoCo's 0.7 / 0.9, the 0.5 / 0.3 of 2026-11-26) 7-9% above it at H = 8, lr 2 34%.
+# lr 1.0, plain averaging: as good as any, and a replica alone in a round (an elastic group lost)
+# moves the global values by its own progress, no more (an lr above 1 overshoots by its excess).
+DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
+# Elastic replica groups (membership=) keep the damped outer step of 2026-11-27: with plain
+# averaging a killed and restarted group cost its job 1-6% of held-out loss (the stress tier's
+# rank-kill runs, median 2.5% above what the survivor's time alone explains; cause not found),
+# with this one -0.1% to +0.6% (docs/elastic.md, "Recovery, measured").
+DEFAULT_ELASTIC_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
 DEFAULT_SYNC_EVERY = 4
 # sync_every="auto" (acco.replicas.plan_sync_every): H is chosen at each landing from the measured
 # inner step time and the round's own time, within these bounds unless given ("auto", lo, hi). The
@@ -119,11 +123,12 @@ DEFAULT_SYNC_EVERY = 4
 AUTO_EVERY_BOUNDS = (4, 128)
 
 
-def default_outer(sync_every: int) -> functools.partial:
+def default_outer(sync_every: int, elastic: bool = False) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
     steps per round (the same at H = 4, 8 and 30: docs/loops.md, "Local steps against
-    data-parallel")."""
-    return DEFAULT_OUTER
+    data-parallel"); ``elastic``: with ``membership=`` (replica groups that come and go: the
+    damped step their recovery was measured with, docs/elastic.md)."""
+    return DEFAULT_ELASTIC_OUTER if elastic else DEFAULT_OUTER
 
 
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
@@ -261,7 +266,7 @@ class LocalOptions:
                 "inner steps an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
-        outer = default_outer(every) if outer_optimizer is None else outer_optimizer
+        outer = default_outer(every, elastic=membership is not None) if outer_optimizer is None else outer_optimizer
         if not callable(outer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
         try:

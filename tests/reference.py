@@ -280,7 +280,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     replicas = [Reference(init, optimizer, max_norm) for _ in steps[0]]
     x = [p.detach().clone().requires_grad_(True) for p in init.values()]
     names = list(init)
-    outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=1.2)))(x)  # the default
+    outer_opt = (outer or (lambda ps: torch.optim.SGD(ps, lr=1.0)))(x)  # the default
     in_flight: tuple[int, Params, list[Params]] | None = None  # (launched at, new x, handed)
     unsynced = False
 

@@ -78,7 +78,7 @@ MEANING = {
     "reduce_dtype": "`param_dtype`",
     "estimate_dtype": "the estimate round sends what the commit round does",
     "module": "`params` when it is a module",
-    "outer_optimizer": "`acco.default_outer(sync_every)`, shown at the default `sync_every`",
+    "outer_optimizer": "`acco.default_outer(sync_every)`, shown at the default `sync_every`; with `membership=` (elastic groups) `default_outer(sync_every, elastic=True)`: Nesterov lr 0.5, momentum 0.3",
     "overlap": "`\"estimate\"` with an outer optimizer linear in its gradient (SGD without dampening), "
                "`\"discard\"` with any other",
     "membership": "every replica of the process group, in every outer round",

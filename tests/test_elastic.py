@@ -33,11 +33,14 @@ import torch
 
 pytest.importorskip("torchft")
 
-from acco import AccoOptimizer  # noqa: E402
+from acco import AccoOptimizer, default_outer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
 from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from elastic_stress import alone_share, expected_loss  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elastic_local.py"
@@ -152,7 +155,7 @@ def test_rounds_without_failures_are_the_local_recurrence_at_4_bits() -> None:
         assert torch.equal(params0[name], params1[name]), name
     data = [[step_data(t, m) for m in range(2)] for t in range(steps)]
     expected = local_reference(params_of(make_model()), "adamw", data, sync_every=H, sync_delay=0, max_norm=MAX_NORM,
-                               outer_bits=4)[0]  # fmt: skip
+                               outer_bits=4, outer=default_outer(H, elastic=True))[0]  # the elastic default  # fmt: skip
     assert_params_close(params0, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -313,10 +316,9 @@ def killed_run(directory: Path, run: int, *extra: str) -> subprocess.Popen:
     inside = run % 2 == 1
     process = launch(directory, *extra, *(["--die-in-round", f"1:{rng.randint(3, 9)}"] if inside else []))
     if not inside:
-        def kill() -> None:
-            deadline = time.monotonic() + 60
+        def kill() -> None:  # no deadline but the job's: a busy machine can take a minute to start it
             while landed(directory, 1) < 2:
-                if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is not None:
                     return  # the checks below fail: no restart
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.0, 1.5))
@@ -326,10 +328,12 @@ def killed_run(directory: Path, run: int, *extra: str) -> subprocess.Popen:
     return process
 
 
-def check_run(directory: Path, uninterrupted: float) -> None:
+def check_run(directory: Path, uninterrupted: float, solo: float) -> None:
     """Replica 0 took inner steps alone while replica 1 was gone and lost no round; replica 1 was
     restarted, healed and trained with it again; both ended at the same global values, the held-out
-    loss within 2% of the uninterrupted run."""
+    loss within 2% of the one expected from replica 0's share of inner steps taken alone (between
+    the uninterrupted run's and replica 0 alone's: elastic_stress.expected_loss; a restart takes
+    about 3 s of an 18 s run on a quiet machine, and on a busy one can outlast the run)."""
     survivor, killed = records(directory, 0), records(directory, 1)
     assert (directory / "replica-0.final").read_text() == (directory / "replica-1.final").read_text()
     rounds = [r for r in survivor if not r.get("final")]
@@ -345,14 +349,17 @@ def check_run(directory: Path, uninterrupted: float) -> None:
     assert [r["round"] for r in landed] == list(range(1, len(landed) + 1))
     assert not rounds[-1]["dropped"] and landed[-1]["inner_step"] == STEPS
     assert sum(r["dropped"] for r in rounds) <= 1
+    pids = [r["pid"] for r in killed if not r.get("final")]
+    assert len(set(pids)) == 2, "replica 1 was not killed and restarted"
     alone = [r for r in landed if r["participants"] == 1]
     assert alone, "the survivor took no inner step while replica 1 was gone"
-    pids = [r["pid"] for r in killed if not r.get("final")]
-    assert len(set(pids)) == 2, "replica 1 was not restarted"
     after = [r for r in killed if r.get("pid") == pids[-1]]
     assert len(after) >= 2 and all(r["participants"] == 2 for r in after if not r["dropped"])
     assert survivor[-1]["eval_loss"] == killed[-1]["eval_loss"]
-    assert abs(survivor[-1]["eval_loss"] - uninterrupted) <= 0.02 * uninterrupted, (survivor[-1], uninterrupted)
+    share = alone_share(rounds, 2)
+    expected = expected_loss(uninterrupted, solo, share)
+    assert abs(survivor[-1]["eval_loss"] - expected) <= 0.02 * expected, (survivor[-1]["eval_loss"], expected, share,
+                                                                         uninterrupted, solo)  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -360,18 +367,20 @@ def check_run(directory: Path, uninterrupted: float) -> None:
     pytest.param([[0, 1]], id="two"),
 ])  # fmt: skip
 def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, batches) -> None:
-    """Runs of :func:`killed_run` (three at a time; the uninterrupted run beside the last ones),
-    each checked by :func:`check_run` against the uninterrupted run's held-out loss, every one
+    """Runs of :func:`killed_run` (two at a time; the uninterrupted run and replica 0 alone beside
+    the last ones), each checked by :func:`check_run` against their held-out losses, every one
     passing: a rank killed from outside, a replica dying inside a round. (Ten kills of a group
     and ten of a rank of a 2-rank group: the stress tier, tests/test_stress.py.)"""
     group: list[str] = []
-    reference = tmp_path / "uninterrupted"
+    reference, solo = tmp_path / "uninterrupted", tmp_path / "solo"
     outcomes: dict[int, Path] = {}
     failed = []
     for number, batch in enumerate(batches):
         runs = {n: (tmp_path / f"run-{n}", killed_run(tmp_path / f"run-{n}", n, *group)) for n in batch}
         if number == len(batches) - 1:
-            finish(launch(reference, *group), reference)
+            references = {reference: launch(reference, *group), solo: launch(solo, *group, "--replicas", "1")}
+            for directory, process in references.items():
+                finish(process, directory)
         for n, (directory, process) in runs.items():
             try:
                 finish(process, directory)
@@ -382,7 +391,7 @@ def test_runs_of_a_killed_replica_group_rejoin_while_the_other_trains(tmp_path, 
     assert finals[0]["eval_loss"] == finals[1]["eval_loss"]
     for n, directory in sorted(outcomes.items()):
         try:
-            check_run(directory, finals[0]["eval_loss"])
+            check_run(directory, finals[0]["eval_loss"], records(solo, 0)[-1]["eval_loss"])
         except AssertionError as error:
             failed.append(f"run {n}: {error}")
     for server in LIGHTHOUSES:
@@ -432,11 +441,36 @@ LATE = ["--replicas", "3", "--steps", "240", "--step-seconds", "0.05", "--micro-
         "--timeout", "10", "--quorum-timeout", "60", "--pacing", "lockstep"]  # after RUN: later options win  # fmt: skip
 
 
-def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> None:
+def counted_steps(directory: Path, index: int) -> int:
+    """Group ``index``'s inner steps by the documented rule (docs/elastic.md, "A late group keeps
+    its progress"), checked round by round: a landed round counts every inner step since the
+    group's last landed round, except where the group dropped a round since and then took the
+    newest global values by content: those count 0 (its progress may be in them already: the
+    two-generals case). Asserts that the counted steps and those so lost add up to the group's
+    inner steps; returns the lost ones."""
+    rounds = [r for r in records(directory, index) if not r.get("final")]
+    table = "\n".join(f"round {r['round']} inner step {r['inner_step']} participants {r['participants']} dropped "
+                      f"{r['dropped']} counted {r['counted']} content heal {r['content_heal']}" for r in rounds)  # fmt: skip
+    since = lost = 0  # the inner step of the last landed round; the steps lost
+    landed = dropped = False
+    for r in rounds:
+        if r["dropped"]:
+            dropped = dropped or landed
+            continue
+        steps = r["inner_step"] - since
+        taken = dropped and r["content_heal"]
+        assert (r["counted"] or 0) == (0 if taken else steps), f"group {index}, round {r['round']}:\n{table}"
+        lost += steps if taken else 0
+        since, landed, dropped = r["inner_step"], True, False
+    assert sum(r["counted"] or 0 for r in rounds) + lost == records(directory, index)[-1]["inner_step"], table
+    return lost
+
+
+def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> int:
     """Group 2 was late (stalled or paused): groups 0 and 1 landed rounds without it meanwhile
     (and, ``rate_checked``, kept at least 0.9 of their rate in the run without it); group 2's
-    inner steps all counted (``counted`` sums to them: none replaced by a heal); every group ends
-    identical."""
+    inner steps count by :func:`counted_steps`' rule and it took the newest global values by
+    content; every group ends identical. Returns group 2's steps lost by the rule."""
     finals = {(directory / f"replica-{i}.final").read_text() for i in range(3)}
     assert len(finals) == 1, finals
     for index in (0, 1):
@@ -445,8 +479,8 @@ def check_late_group(directory: Path, baseline: Path, rate_checked: bool) -> Non
                                                                                        rate(baseline, index, 240))
         assert sum(1 for r in records(directory, index) if r.get("participants") == 2 and not r["dropped"]) >= 5
     late = records(directory, 2)
-    assert sum(r["counted"] or 0 for r in late if not r.get("final")) == late[-1]["inner_step"], late
     assert any(r["content_heal"] for r in late if not r.get("final")), late  # it took the newest global values
+    return counted_steps(directory, 2)
 
 
 @pytest.mark.timeout(240)
@@ -463,10 +497,9 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_ch
     if rate_checked:
         processes.append(launch(baseline, *LATE))
 
-    def pause() -> None:
-        deadline = time.monotonic() + 60
+    def pause() -> None:  # no deadline but the job's: a busy machine can take a minute to start it
         while landed(paused, 2) < 3:
-            if processes[1].poll() is not None or time.monotonic() > deadline:
+            if processes[1].poll() is not None:
                 return  # the checks below fail
             time.sleep(0.01)
         pid = int((paused / "replica-2.pid").read_text())  # just landed a round: in its inner steps
@@ -482,6 +515,10 @@ def test_a_late_group_holds_no_round_and_its_steps_count_later(tmp_path, rate_ch
     if rate_checked:
         assert len({(baseline / f"replica-{i}.final").read_text() for i in range(3)}) == 1
         for i in range(3):  # without a stall every step counts too
-            assert sum(r["counted"] or 0 for r in records(baseline, i) if not r.get("final")) == records(baseline, i)[-1]["inner_step"]
-    check_late_group(stalled, baseline, rate_checked)
+            assert counted_steps(baseline, i) == 0
+    # The stalled group heartbeats and sleeps in its training loop, in no round: none of its steps
+    # is lost. The paused one may be stopped inside a round on a busy machine (the pause follows
+    # its third landed round by however long this thread takes to see it): its peers then drop
+    # that round, and by the rule its steps since its last landed round are lost.
+    assert check_late_group(stalled, baseline, rate_checked) == 0
     check_late_group(paused, baseline, rate_checked)

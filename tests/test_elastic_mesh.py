@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 pytest.importorskip("torchft")
 
-from acco import AccoOptimizer  # noqa: E402
+from acco import AccoOptimizer, default_outer  # noqa: E402
 from tests.helpers import assert_params_close, assert_params_equal  # noqa: E402
 from tests.ranks import free_port, run_fresh  # noqa: E402
 from tests.reference import OPTIMIZERS, loss_fn  # noqa: E402
@@ -51,6 +51,7 @@ def train(inner: str, membership=None, checkpoint: tuple[str, str, int] | None =
     cls, hp = OPTIMIZERS["adamw"]
     opt = AccoOptimizer(model, cls, process_group=mesh["replicate"].get_group(), mode="local", membership=membership,
                         sync_every=H, sync_delay=0, pacing="lockstep", max_grad_norm=MAX_NORM,
+                        outer_optimizer=default_outer(H, elastic=True),  # the same for the fixed mesh
                         timeout=datetime.timedelta(seconds=90), **hp)  # fmt: skip
     rank = int(os.environ["ACCO_TEST_GROUP"]) * S + dist.get_rank() if elastic else dist.get_rank()
     action, directory, first = checkpoint or (None, None, 0)

@@ -87,7 +87,7 @@ def expected(world_size: int, steps: int, optimizer: str, **options) -> list[dic
 @pytest.mark.parametrize("world_size,layout,optimizer", [(2, "flat", "adamw"), (3, "tensor", "sgd"), (3, "flat", "adamw")])
 def test_blocking_equals_diloco(ranks, world_size, layout, optimizer) -> None:
     """sync_delay=0 is DiLoCo: each replica its own inner optimizer on its own (weighted, clipped)
-    gradients, SGD (lr 1.2, no momentum: the default) on the mean pseudo-gradient every 3 steps,
+    gradients, SGD (lr 1.0, no momentum: the default) on the mean pseudo-gradient every 3 steps,
     and every replica holds the new global values after every outer round; a last round at
     finish() carries the inner steps since (8 steps: rounds after 3, 6 and at the end)."""
     steps = 8
@@ -348,7 +348,7 @@ def mesh_expected(inner: str, steps: int, delay: int, overlap: str) -> dict[str,
 
 def test_defaults() -> None:
     """sync_every 4, sync_delay 0 (blocking), overlap "estimate" (where a delay is given), SGD
-    with lr 1.2 and no momentum, 4 bits with error feedback: what measured best against
+    with lr 1.0 and no momentum, 4 bits with error feedback: what measured best against
     data-parallel at equal tokens (docs/loops.md); with an outer optimizer that has no linear split the default rule is
     "discard" ("half" still means sync_every // 2); typed defaults, which other modes accept as
     passed (a configurator's)."""
@@ -357,7 +357,7 @@ def test_defaults() -> None:
     assert (local.sync_every, local.sync_delay, local.overlap.value) == (4, 0, "estimate")
     assert (local.outer_bits, local.error_feedback) == (4, True)
     outer = opt.outer_optimizers[0].defaults
-    assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (1.2, 0.0, False)
+    assert (outer["lr"], outer["momentum"], outer["nesterov"]) == (1.0, 0.0, False)
     opt.finish()
     adam = AccoOptimizer(make_model(), torch.optim.AdamW, mode="local", outer_optimizer=torch.optim.Adam)
     assert adam.options.local.overlap.value == "discard" and adam.options.local.sync_delay == 0
