@@ -17,8 +17,9 @@ back to a finished job writes none: the job's result is the survivors'). Scenari
   uninterrupted, and group 0 alone (``--replicas 1``): group 1 restarted, and the held-out loss
   within 2% of what group 0's time alone leads to expect (:func:`expected_loss`). A restart
   takes about 6 s on a quiet machine, a few rounds of 40; beside the stress tier's other runs
-  it took up to 23 s, and a group away most of the run leaves a run of group 0 alone (against
-  the uninterrupted run only, 4 of 10 runs ended 2.1-3.0% above it at a load of 25). One micro-batch per
+  it took up to 23 s, and a group away most of the run leaves a run of group 0 alone (with
+  plain-averaging rounds and against the uninterrupted run only, 4 of 10 runs ended 2.1-3.0%
+  above it at a load of 25). One micro-batch per
   inner step (the example's default: 2): a step of 4 FSDP2 ranks on 2 cores is about 30% cheaper,
   and ten runs are the stress tier's largest cost.
 

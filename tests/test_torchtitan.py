@@ -450,3 +450,17 @@ def test_refuses_torchtitans_own_containers(tmp_path: Path) -> None:
     config = _config(str(tmp_path), "acco", steps=2)
     config.checkpoint = CheckpointManager.Config(enable=True)
     _refused(config, "AccoCheckpointManager.Config")
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_outer_lr_alone_keeps_the_rest_of_acco_default(tmp_path: Path, elastic: bool) -> None:
+    """``optimizer.outer_lr`` alone changes the lr of acco's default outer optimizer and keeps
+    its momentum: plain averaging's 0 for a fixed job, the elastic default's Nesterov 0.3 with
+    ``optimizer.elastic`` (acco.default_outer(H, elastic=True))."""
+    from acco import default_outer
+
+    config = _config(str(tmp_path), "local", steps=2, outer_lr=0.8, elastic=elastic)
+    outer = config.optimizer.acco_kwargs()["outer_optimizer"]
+    default = default_outer(config.optimizer.sync_every, elastic=elastic).keywords
+    assert outer.keywords["lr"] == 0.8
+    assert outer.keywords["momentum"] == default["momentum"] and outer.keywords["nesterov"] == default.get("nesterov", False)

@@ -38,7 +38,7 @@ from acco import AccoOptimizer, Mode
 from acco.elastic import TorchFT
 from acco.integrations.schedules import (UpdateRounds, acco_from_optimizer, check_acco_kwargs, check_micro_batches,
                                          rounds_per_update)
-from acco.options import DEFAULT_OUTER, DEFAULT_OUTER_BITS, DEFAULT_SYNC_EVERY, LOCKSTEP
+from acco.options import DEFAULT_OUTER_BITS, DEFAULT_SYNC_EVERY, LOCKSTEP, default_outer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -149,8 +149,8 @@ class AccoOptimizersContainer(OptimizersContainer):
                 # counts: every replica takes sync_every inner steps per outer round.
                 kwargs.update(sync_every=self.sync_every, sync_delay=self.sync_delay, outer_bits=self.outer_bits,
                               pacing=LOCKSTEP)
-                if self.outer_lr is not None or self.outer_momentum is not None:
-                    outer = DEFAULT_OUTER.keywords
+                if self.outer_lr is not None or self.outer_momentum is not None:  # the rest from acco's default
+                    outer = default_outer(self.sync_every, elastic=self.elastic).keywords
                     momentum = outer["momentum"] if self.outer_momentum is None else self.outer_momentum
                     kwargs["outer_optimizer"] = functools.partial(  # torch's SGD: Nesterov needs a momentum
                         torch.optim.SGD, nesterov=momentum > 0, momentum=momentum,
