@@ -610,13 +610,14 @@ class ElasticRunner(OuterRunner):
         rank with the equal ranks of the other groups, every rank of a group saying what its
         group agreed: the same on all of them); and this round's spread of hand-over times."""
         own, nonfinite, gives_up = self._group_hand_over(round_)
-        fields, device, now = 16, self._groups[0].device, time.monotonic()
+        fields, device, now = 17, self._groups[0].device, time.monotonic()
         flags = torch.zeros(1 + fields * quorum.replicas, dtype=torch.float64, device=device)
         start = 1 + fields * quorum.replica
         flags[start : start + fields] = torch.tensor(
             [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, *self.lineage, self.most_participants,
              gives_up, self._layout, self._expected(quorum), now - self._handed_over_at, now - self._first_quorum_at,
-             self.grace(), self._maybe_merged, self._membership.group_id], dtype=torch.float64)  # fmt: skip
+             self.grace(), self._maybe_merged, self._membership.group_id, own.round_seconds],
+            dtype=torch.float64)  # fmt: skip
         flags[0] = float(nonfinite)
         quorum.collectives.all_reduce_sum_(flags)
         flags = flags.cpu()
@@ -636,7 +637,7 @@ class ElasticRunner(OuterRunner):
         report = ReplicaReport(
             steps=tuple(int(row[0]) for row in rows), weights=tuple(row[1] for row in rows),
             step_seconds=tuple(row[2] for row in rows), stop=tuple(bool(row[3]) for row in rows),
-            finishing=tuple(bool(row[4]) for row in rows),
+            finishing=tuple(bool(row[4]) for row in rows), round_seconds=tuple(row[16] for row in rows),
         )  # fmt: skip
         peers = [_Peer((int(row[5]), int(row[6])), int(row[7]), bool(row[8]), bool(row[14])) for row in rows]
         return int(flags[0].item()), report, peers, statistics.median(waited) - min(waited), False
@@ -694,17 +695,18 @@ class ElasticRunner(OuterRunner):
         quick = self._nonfinite_flag(round_.params)
         if self._replica_size == 1:
             return own, bool(quick.item()) and self._confirm_nonfinite(round_.params) > 0, gives_up
-        fields, ranks, rank = 6, self._mesh_comm.world_size, self._mesh_comm.rank
+        fields, ranks, rank = 7, self._mesh_comm.world_size, self._mesh_comm.rank
         flags = torch.zeros(1 + fields * ranks, dtype=torch.float64, device=quick.device)
         flags[1 + fields * rank : 1 + fields * (rank + 1)] = torch.tensor(
-            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, gives_up], dtype=torch.float64)
+            [own.steps, own.weight, own.step_seconds, own.stop, own.finishing, own.round_seconds, gives_up],
+            dtype=torch.float64)  # fmt: skip
         flags[0] = quick
         self._mesh_comm.all_reduce_sum_(flags)
         flags = flags.cpu()
         rows = flags[1:].view(ranks, fields).tolist()
-        agreed = HandOver.of_ranks([row[:5] for row in rows])
+        agreed = HandOver.of_ranks([row[:6] for row in rows])
         nonfinite = bool(flags[0]) and self._confirm_nonfinite(round_.params) > 0  # over the group's ranks
-        return agreed, nonfinite, any(row[5] for row in rows)
+        return agreed, nonfinite, any(row[6] for row in rows)
 
     def _heal_by_content(self, quorum: Quorum, peers: list[_Peer], followers: list[int], round_: Any) -> None:
         """The newest lineage's global values to the participants of older ones (sent by the
@@ -868,7 +870,7 @@ class ElasticRunner(OuterRunner):
         for params, values in zip(round_.params, self._global_values):
             params.copy_(values)
         own = round_.hand_over
-        round_.hand_over = HandOver(0, 0.0, step_seconds, own.stop, own.finishing)
+        round_.hand_over = HandOver(0, 0.0, step_seconds, own.stop, own.finishing, own.round_seconds)
 
 
 _MISFIT = ("the replica groups are laid out differently (this rank's blocks of the parameters differ from its equal "

@@ -54,6 +54,11 @@ __all__ = ["InnerSteps", "LocalClock", "LocalLoop"]
 
 # How often a landing that waits for the other replicas' hand-overs within its patience looks.
 _POLL_SECONDS = 0.002
+# A round's phases that wait for the other replicas rather than move or reduce anything: their
+# hand-overs (``totals``), an elastic round's quorum, grace window and commit vote, a heal served to
+# a restarted group. No H amortises them (pacing and membership are for them), so the round's own
+# time that sync_every="auto" plans from leaves them out.
+_PEER_PHASES = frozenset({"totals", "quorum", "grace", "agree", "heal"})
 
 
 def _nothing_left(round_: OuterRound) -> RoundStats:
@@ -107,9 +112,10 @@ class LocalLoop(Loop):
         # Built after start-up: every rank holds rank 0's parameters, the first global values.
         self.global_values = [group.flat_params() for group in parts.groups]
         # overlap="estimate": every rank's copy of the outer step's common part (acco.outer_step),
-        # written by the comm lane's gather leg, read at a launch once the last round has landed.
+        # written by the comm lane's gather leg, read at a launch once the last round has landed;
+        # none where that part is the global values themselves (plain averaging: no third leg).
         self.common_terms = None
-        if self.clock.estimates:
+        if self.clock.estimates and not local.estimate.common_is_values:
             self.common_terms = [local.estimate.common(torch.empty_like(values), values, [], []) for values in self.global_values]
         self.residuals = None
         if local.error_feedback and local.membership is None:
@@ -124,6 +130,7 @@ class LocalLoop(Loop):
                                                      local.error_feedback, local.outer_optimizer, self.heal_state,
                                                      self.load_heal_state, *parts.lane_work_args())  # fmt: skip
         self.pacing = self.clock.pacing  # who takes part in a round, how many steps each: acco.replicas
+        self.pacing.lands_late = self.lane_work.lands_late
         self.pacing.join(self.lane_work.replica, self.lane_work.replicas)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
         if local.membership is not None:
@@ -218,37 +225,45 @@ class LocalLoop(Loop):
                 # What the steps from the last start undid of its offset leaves the pseudo-gradient.
                 weight = estimate.recovery * clock.offset_steps / (clock.offset_every or clock.options.sync_every)
                 with record_function("acco.outer_estimate"):
-                    for group, start, common, values, handed in zip(self._groups, clock.handed_over, self.common_terms,
+                    commons = self.common_terms or self.global_values
+                    for group, start, common, values, handed in zip(self._groups, clock.handed_over, commons,
                                                                     self.global_values, params):  # fmt: skip
                         estimate.start(start, common, values, handed, weight, group.plan.world_size)
                         group.load_params(start)
             else:
                 torch._foreach_copy_(clock.handed_over, params)
         stats = self._schedule.next_stats(0, 0.0)
-        stats.sync_every = self.pacing.sync_every
+        # The H of the steps this round carries, and why (the hand-over then takes the next one's).
+        stats.sync_every, stats.sync_every_choice = self.pacing.sync_every, self.pacing.choice
+        hand_over = self.pacing.hand_over()
         round_ = OuterRound(kind=RoundKind.OUTER, stats=stats,
-                            buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=self.pacing.hand_over())  # fmt: skip
+                            buffer_snapshot=self._buffer_snapshot(), params=params, hand_over=hand_over)  # fmt: skip
         self._schedule.launch(round_, self._submit_with(self.lane_work.run))
         clock.launched_at = clock.inner_steps
 
     def _land_or_go_on(self) -> None:
-        """The round in flight lands now; or, once speed pacing paced the replicas apart, if it is
-        still waiting for the others' hand-overs after :meth:`acco.replicas.Pacing.patience`,
-        this replica goes on taking inner steps and the round lands *late*, at the first
-        ``step()`` that finds it complete, the progress made since its launch kept on top of the
-        new global values (a loop's own collective at a step count then meets every replica at
-        that step: nobody waits in a circle); its next launch waits for that landing. A late
-        round the others never hand over to raises :class:`acco.replicas.PacingStall` after
+        """The round in flight lands now; or, if it is still waiting for the others' hand-overs
+        after :meth:`acco.replicas.Pacing.patience` (once speed pacing paced the replicas apart,
+        or with ``sync_every="auto"``), this replica goes on taking inner steps and the round
+        lands *late*, at the first ``step()`` that finds it complete, the progress made since its
+        launch kept on top of the new global values (a loop's own collective at a step count then
+        meets every replica at that step: nobody waits in a circle); its next launch waits for
+        that landing, and where the replicas launch at the same step counts
+        (:attr:`acco.replicas.Pacing.lands_by_launch`) it lands there at the latest. A late round
+        the others never hand over to raises :class:`acco.replicas.PacingStall` after
         :meth:`acco.replicas.Pacing.stall_bound`."""
         clock, round_ = self.clock, self._schedule.in_flight
         if clock.late:
-            if round_.future.done():
+            # (replicas that launch at the same step counts: a late round lands by the next launch)
+            if round_.future.done() or self.pacing.lands_by_launch and clock.launches_now():
                 self._land()
             else:
                 self._check_late_stall(round_)
             return
-        patience = self.pacing.patience() if self.lane_work.lands_late else None
-        if patience is None or self._completes_within(round_, patience):
+        patience = self.pacing.patience()
+        # (a round in flight that must land before this replica's next launch waits for it here)
+        due = self.pacing.lands_by_launch and clock.launches_now()
+        if patience is None or due or self._completes_within(round_, patience):
             self._land()
             return
         clock.late, clock.late_since = True, time.perf_counter()
@@ -272,7 +287,9 @@ class LocalLoop(Loop):
                 time.sleep(min(left, _POLL_SECONDS))
             return True
         finally:
-            self.pacing.waited_for_round(time.perf_counter() - started)
+            waited = time.perf_counter() - started
+            self.pacing.waited_for_round(waited)
+            round_.stats.patience_seconds += waited
 
     def _check_late_stall(self, round_: LaneRound) -> None:
         """A late round still waiting for the others' hand-overs past the stall bound raises."""
@@ -291,8 +308,9 @@ class LocalLoop(Loop):
 
     def heal_state(self) -> dict[str, Any]:
         """What a restarted replica group takes from this one (elastic replicas): the global
-        values, the inner optimizers' state, the clock and the update counts, as they are at this
-        round's launch (copies: torchft serves them while the round runs)."""
+        values, the inner optimizers' state, the clock, the H the steps after this round take
+        (``sync_every="auto"``) and the update counts, as they are at this round's launch
+        (copies: torchft serves them while the round runs)."""
         return {
             "global_values": [values.detach().cpu().clone() for values in self.global_values],
             "inner": [{"param_groups": copy.deepcopy(s["param_groups"]),
@@ -302,6 +320,7 @@ class LocalLoop(Loop):
                       for s in self.inner.state_dicts()],
             "clock": {"inner_steps": self.clock.inner_steps, "outer_rounds": self.clock.outer_rounds,
                       "skipped_outer_rounds": self.clock.skipped_outer_rounds},
+            "every": self.pacing.every_state(),
             "counts": {"num_updates": self._counts.num_updates, "skipped_updates": self._counts.skipped_updates,
                        "committed_weight": self._counts.committed_weight},
         }  # fmt: skip
@@ -321,6 +340,8 @@ class LocalLoop(Loop):
         self.clock.skipped_outer_rounds = int(clock["skipped_outer_rounds"])
         self.clock.launched_at = self.clock.inner_steps
         self.clock.unsynced = False
+        if "every" in state:  # (a peer of an older version: this replica plans again from its reports)
+            self.pacing.load_every_state(state["every"])
         counts = state["counts"]
         self._counts.num_updates = int(counts["num_updates"])
         self._counts.skipped_updates = int(counts["skipped_updates"])
@@ -342,10 +363,10 @@ class LocalLoop(Loop):
         self.pacing.seat(self.lane_work.replica, self.lane_work.replicas)  # elastic replicas: this round's
         if not stats.replayed:  # (a restored round ran in the saving run: the last time measured stays)
             # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
-            # the wait for the others' hand-overs (none yet on CUDA before the device has passed them).
-            self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase != "totals")
+            # the waits for the other replicas (none yet on CUDA before the device has passed them).
+            self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase not in _PEER_PHASES)
         every = self.pacing.sync_every  # the landing round's H (the report may choose the next one's)
-        self.pacing.landed(getattr(round_, "report", None))  # (a restored round: as the state saved it)
+        self.pacing.landed(getattr(round_, "report", None), stats.index)  # (a restored round: as the state saved it)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
         keep = clock.keeps_progress and not discard and clock.inner_steps > clock.launched_at
         clock.late = False
@@ -523,7 +544,7 @@ class LocalLoop(Loop):
         round_ = OuterRound(kind=RoundKind.OUTER, stats=self._schedule.replayed_stats(RoundKind.OUTER),
                             buffer_snapshot=buffer_snapshot, params=[],
                             report=None if report is None else ReplicaReport.from_dict(report))  # fmt: skip
-        round_.stats.sync_every = self.pacing.sync_every
+        round_.stats.sync_every, round_.stats.sync_every_choice = self.pacing.sync_every, self.pacing.choice
         self._schedule.restore(round_, self._submit_with(body))
 
     def _load_own_state(self, saved: dict[str, Any]) -> None:

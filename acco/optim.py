@@ -170,10 +170,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             ``"broadcast"`` (rank 0's, as DDP; default), ``"average"`` or None (left alone);
             one round behind, identical after ``finish()`` (:mod:`acco.module_buffers`).
         module: the model whose buffers those are (default: ``params`` if a module).
-        sync_every: ``local`` only: inner steps between outer rounds (default 30); or
-            ``"auto"`` / ``("auto", lo, hi)``: chosen before each round from the measured inner
-            step time and the round's own time (:func:`acco.replicas.plan_sync_every`), the
-            same on every replica, starting at ``lo``.
+        sync_every: ``local`` only: ``"auto"`` (the default, bounds 4-128) or ``("auto", lo,
+            hi)``: inner steps between outer rounds chosen before each round from the measured
+            inner step time and the round's own time (:func:`acco.replicas.plan_sync_every`), the
+            same on every replica, starting at ``lo``: the smallest H for which a blocking round
+            takes at most 4% of the wall time (on a fast link 4), and a round waits for the link,
+            not for a replica a little behind (that one lands it late, its next step kept); or an
+            int, a fixed H (bit-for-bit reproducible).
         sync_delay: ``local`` only: when an outer round lands: 0 (default) at once, blocking
             DiLoCo; ``"auto"`` at the first inner step at which the comm lane has finished it
             (at the latest ``sync_every`` steps after its launch, waiting then if it must: for

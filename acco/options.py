@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -116,26 +116,31 @@ DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
 # rank-kill runs, median 2.5% above what the survivor's time alone explains; cause not found),
 # with this one -0.1% to +0.6% (docs/elastic.md, "Recovery, measured").
 DEFAULT_ELASTIC_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
-DEFAULT_SYNC_EVERY = 4
-# sync_every="auto" (acco.replicas.plan_sync_every): H is chosen at each landing from the measured
-# inner step time and the round's own time, within these bounds unless given ("auto", lo, hi). The
-# first round runs the lower bound: measured quickly.
+# sync_every="auto", the default (acco.replicas.plan_sync_every): H is chosen at each landing from the
+# measured inner step time and the round's own time, so that a blocking round costs at most 4% of
+# the wall time, within these bounds unless given ("auto", lo, hi). The first rounds run the lower
+# bound: measured quickly, and 4 is the H the outer step was chosen at against data-parallel (on a
+# link whose rounds cost less than that, H stays 4). Measured against fixed H at equal time behind
+# 20, 200 and 500 Mbit/s and an unlimited link (docs/loops.md, "Local steps that never wait").
 AUTO_EVERY_BOUNDS = (4, 128)
+DEFAULT_SYNC_EVERY = "auto"
 
 
-def default_outer(sync_every: int, elastic: bool = False) -> functools.partial:
+def default_outer(sync_every: int | str, elastic: bool = False) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
-    steps per round (the same at H = 4, 8 and 30: docs/loops.md, "Local steps against
-    data-parallel"); ``elastic``: with ``membership=`` (replica groups that come and go: the
+    steps per round, an int or ``"auto"`` (the same at H = 4, 8 and 30: docs/loops.md, "Local
+    steps against data-parallel"); ``elastic``: with ``membership=`` (replica groups that come and go: the
     damped step their recovery was measured with, docs/elastic.md)."""
     return DEFAULT_ELASTIC_OUTER if elastic else DEFAULT_OUTER
 
 
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
 # the comm lane has finished it (at the latest sync_every steps after its launch), "half"
-# sync_every // 2 inner steps after its launch. Blocking is the default: with 4-bit rounds it
-# waited 5% of the time at H = 16 behind 20 Mbit/s, less than any overlap rule cost in loss there
-# (docs/loops.md, "Local steps that never wait"). With a delay the default rule is "estimate"
+# sync_every // 2 inner steps after its launch. Blocking is the default, with sync_every="auto"
+# bounding its wait: a round in flight costs loss per inner step at every H measured (at H = 4 on
+# an unlimited link, 2.3-3.7% at equal steps: the inner steps a replica takes while it lands are
+# taken from its own parameters, not the replicas' mean), more than the 4% of wall time the
+# planner leaves a blocking round (docs/loops.md, "Local steps that never wait"). With a delay the default rule is "estimate"
 # (each replica starts from its own estimate of the outer step and keeps every step), or
 # "discard" with an outer optimizer that has no linear split. Typed, so a configurator can
 # override them.
@@ -256,8 +261,8 @@ class LocalOptions:
         every, auto_every = _check_sync_every(DEFAULT_SYNC_EVERY if sync_every is None else sync_every)
         delay = DEFAULT_SYNC_DELAY if sync_delay is None else sync_delay
         if auto_every is not None and delay not in (0, AUTO):
-            raise ValueError(f"Invalid sync_delay with sync_every='auto': {sync_delay!r} (0 or \"auto\": a fixed "
-                             "number of steps in flight would not follow H)")  # fmt: skip
+            raise ValueError(f"Invalid sync_delay with sync_every='auto' (the default): {sync_delay!r} (0 or \"auto\": "
+                             "a fixed number of steps in flight would not follow H; give an int sync_every for it)")  # fmt: skip
         if delay == HALF:
             delay = every // 2
         if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every):
@@ -302,11 +307,9 @@ class LocalOptions:
             raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
         paced = _check_pacing(DEFAULT_PACING if pacing is None else pacing, every, delay)
         if auto_every is not None and isinstance(paced, tuple):
-            raise ValueError(f"Invalid pacing with sync_every='auto': {pacing!r} (\"speed\" or \"lockstep\": a fixed "
-                             "schedule per replica would not follow H)")  # fmt: skip
-        if auto_every is not None and membership is not None:
-            raise ValueError("sync_every='auto' with membership= is not supported yet: elastic rounds take a fixed "
-                             "sync_every")  # fmt: skip
+            raise ValueError(f"Invalid pacing with sync_every='auto' (the default): {pacing!r} (\"speed\" or "
+                             "\"lockstep\": a fixed schedule per replica would not follow H; give an int sync_every for "
+                             "it)")  # fmt: skip
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
         if membership is not None:

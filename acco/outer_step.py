@@ -48,6 +48,12 @@ class LinearOuterStep:
     momentum_coefficient: float
 
     @property
+    def common_is_values(self) -> bool:
+        """The common part is ``x`` itself (no momentum, no weight decay: plain averaging among
+        them), so every rank's copy of the global values serves as it: no copy, no leg."""
+        return self.decay_factor == 1.0 and self.momentum_coefficient == 0.0
+
+    @property
     def recovery(self) -> float:
         """How much of a replica's own start offset (its last start minus the commit) its next
         estimate takes out of its pseudo-gradient, for a whole round of steps from that start:

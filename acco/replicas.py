@@ -20,8 +20,9 @@ round lands; the comm lane weighs the replicas' pseudo-gradients by
   it goes on taking inner steps, and the round lands when it completes, so a loop's own
   collective at every step never waits in a circle; a round the others never hand over to raises
   :class:`PacingStall`.
-- **How often** (``sync_every="auto"``): H for the next round, chosen at each landing by
-  :func:`plan_sync_every` from the report's paces and the round times the replicas measured.
+- **How often** (``sync_every="auto"``, the default): H for the next round, chosen at each
+  landing by :func:`plan_sync_every` from the report's paces and the round times the replicas
+  measured, with why (:class:`EveryChoice`).
 - **Stopping together**: a replica's stop request travels in its next hand-over; once that
   round has landed every replica's ``should_stop`` is True, at the same round. A replica that
   calls ``finish()`` while the others train ends the run the same way.
@@ -46,8 +47,8 @@ import torch.distributed as dist
 
 from acco.options import SPEED, LocalOptions, Weighting
 
-__all__ = ["APART_REPORTS", "AUTO_HYSTERESIS", "AUTO_SHARE", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
-           "PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
+__all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
+           "PATIENCE_SECONDS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
            "block_median", "pace_window", "plan_sync_every"]
 
 _log = logging.getLogger("acco")
@@ -79,33 +80,87 @@ APART_REPORTS = 2
 # optimizer's timeout: some replica stopped stepping.
 PATIENCE_ROUNDS = 0.25
 PATIENCE_SECONDS = 0.05
+# sync_every="auto": a blocking round waits for the link, not for a replica a little behind (the
+# phases of equal replicas drift by a good share of a step per round on a busy machine, and the
+# skew grows with H: on 2 CPU ranks it was most of the wait at H = 4 on an unlimited link, and
+# half of it at H = 30 behind 20 Mbit/s). A replica whose round still waits for the others'
+# hand-overs after this share of one of its inner steps goes on with its next step and lands the
+# round after it, that step's progress kept on the new global values (a late landing, as paced
+# replicas do); the last replica to hand over waits for the round's transfer alone.
+PEER_PATIENCE = 0.05
+PEER_PATIENCE_SECONDS = 0.005  # (at least: the comm lane takes the round up and hears the others' hand-overs)
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
-# sync_every="auto": a blocking round may cost at most AUTO_SHARE of its H inner steps' compute
-# (the replicas wait for it); a round in flight (sync_delay="auto") must fit behind its H steps.
-# 0.2, not the 0.05 first tried: behind 20 Mbit/s 0.05 chose H of about 28 and ended 2.5% behind
-# the best fixed H (8) at equal time; a smaller H's better loss per step was worth more than the
-# steps its rounds took (docs/loops.md, "Choosing sync_every from the link").
-# H moves only when the choice leaves [H / AUTO_HYSTERESIS, H * AUTO_HYSTERESIS]: noise in the
-# measures does not make it flap.
-AUTO_SHARE = 0.2
+# sync_every="auto" (the default): H is chosen at each landing from the replicas' paces and the
+# round's own time T (its transfer and reduction: the wait for the other replicas' hand-overs left
+# out, which no H amortises and pacing is for). Blocking rounds (the default): the smallest H for
+# which the wait T is at most AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.04.
+# Time to loss on 2 CPU ranks (docs/loops.md, "Local steps that never wait"): per inner step a
+# blocking round every 4 steps is the best there is at these sizes, but behind 20 Mbit/s it waited
+# 23-32% of the time; the old share (T <= 0.2 H t, up to a sixth of the time waiting) chose H of 6-8
+# there and still waited 10%. A round in flight (sync_delay="auto") must fit behind its H steps:
+# T <= H t.
+# H rises at once when the measures ask for more (its wait is over the budget), at most AUTO_GROWTH
+# times from one round to the next (one round slowed by something else does not take H to the
+# upper bound), and falls only when the choice is below H / AUTO_HYSTERESIS (noise in the measures
+# does not make it flap).
+AUTO_WAIT_SHARE = 0.04
+AUTO_GROWTH = 2
 AUTO_HYSTERESIS = 1.25
 
 
+@dataclass(frozen=True)
+class EveryChoice:
+    """Why an outer round has its H (``sync_every="auto"``): what the planner chose it from,
+    as :attr:`acco.RoundStats.sync_every_choice` shows it.
+
+    Attributes:
+        sync_every: the H chosen.
+        needed: the H the measures ask for, before the bounds, the growth cap and the
+            hysteresis (nan: not measured yet, the H stays).
+        step_seconds: the fastest replica's seconds per inner step, from the report.
+        round_seconds: the slowest round's own time any replica measured (transfer and
+            reduction), from the report.
+        blocking: the rule for blocking rounds (``T <= s / (1 - s) H t``, ``s`` =
+            :data:`AUTO_WAIT_SHARE`), or for rounds landing in flight (``T <= H t``).
+        report_round: the index of the landed round whose report the choice came from (-1:
+            none, the first rounds run the lower bound).
+    """
+
+    sync_every: int
+    needed: float = math.nan
+    step_seconds: float = 0.0
+    round_seconds: float = 0.0
+    blocking: bool = True
+    report_round: int = -1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "needed": self.needed, "step_seconds": self.step_seconds,
+                "round_seconds": self.round_seconds, "blocking": self.blocking, "report_round": self.report_round}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> EveryChoice:
+        return cls(int(saved["sync_every"]), float(saved["needed"]), float(saved["step_seconds"]),
+                   float(saved["round_seconds"]), bool(saved["blocking"]), int(saved["report_round"]))
+
+
 def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, round_seconds: float,
-                    blocking: bool) -> int:
-    """The next round's H for ``sync_every="auto"``: the smallest H in ``bounds`` whose round
-    (``round_seconds``: its own transfer and reduction, no wait for the others' hand-overs)
-    costs at most :data:`AUTO_SHARE` of H inner steps of ``step_seconds`` when it blocks, or
-    fits behind them when it lands in flight; ``current`` while either measure is missing or
-    the choice is within :data:`AUTO_HYSTERESIS` of it."""
+                    blocking: bool, report_round: int = -1) -> EveryChoice:
+    """The next round's H for ``sync_every="auto"``: the smallest H in ``bounds`` for which a
+    blocking round of ``round_seconds`` (its own transfer and reduction) takes at most
+    :data:`AUTO_WAIT_SHARE` of the time of H inner steps of ``step_seconds`` and itself, or, when
+    it lands in flight, fits behind them; above ``current`` at most :data:`AUTO_GROWTH` times it,
+    below it only past :data:`AUTO_HYSTERESIS`; ``current`` while either measure is missing."""
     if not step_seconds > 0 or not round_seconds > 0:
-        return current
-    steps = round_seconds / step_seconds / (AUTO_SHARE if blocking else 1.0)
-    chosen = min(max(math.ceil(steps - 1e-9), bounds[0]), bounds[1])  # (no step for a rounding error)
-    if current / AUTO_HYSTERESIS <= chosen <= current * AUTO_HYSTERESIS:
-        return current
-    return chosen
+        return EveryChoice(current, math.nan, step_seconds, round_seconds, blocking, report_round)
+    ratio = (1.0 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE if blocking else 1.0
+    needed = round_seconds / step_seconds * ratio
+    chosen = min(max(math.ceil(needed - 1e-9), bounds[0]), bounds[1])  # (no step for a rounding error)
+    if chosen > current:
+        chosen = min(chosen, AUTO_GROWTH * current)
+    elif chosen >= current / AUTO_HYSTERESIS:
+        chosen = current
+    return EveryChoice(chosen, needed, step_seconds, round_seconds, blocking, report_round)
 
 
 def pace_window(sync_every: int) -> int:
@@ -241,6 +296,8 @@ class Pacing:
             replica asked (or finished) in a round that has landed.
         finishing / peer_finished: this replica's next launch is its last (``finish()``);
             the replicas that ended with a round this one landed as a regular one.
+        lands_late: the outer rounds may land after this replica went on stepping (a fixed
+            group's; an elastic round, which may be dropped and carried, blocks).
         last_report: the report of the last landed round (None before the first).
         stop_steps / stop_seconds: ``stop_after()``'s budget (inner steps of the fastest; a
             deadline on ``time.perf_counter()``), None: none.
@@ -251,12 +308,16 @@ class Pacing:
         next_every: the H a landed report chose, taken at the next launch (a round may land
             mid-way through the steps of the next, at a different step on each replica: the
             steps a launch covers keep the H they started with, on every replica alike).
+        choice / next_choice: why ``sync_every`` / ``next_every`` are what they are
+            (:class:`EveryChoice`; None: not chosen by the planner).
     """
 
     options: LocalOptions
     sync_every: int = 0
     round_seconds: float = 0.0
     next_every: int = 0
+    choice: EveryChoice | None = None
+    next_choice: EveryChoice | None = None
     replica: int = 0
     replicas: int = 1
     plan: list[int] = field(default_factory=list)
@@ -269,6 +330,7 @@ class Pacing:
     gap_reports: int = 0
     finishing: bool = False
     peer_finished: list[int] = field(default_factory=list)
+    lands_late: bool = True
     last_report: ReplicaReport | None = None
     stop_steps: int | None = None
     stop_seconds: float | None = None
@@ -411,11 +473,29 @@ class Pacing:
         self.round_pace = self.seconds_per_step(now) or self.round_pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
+        self.choice = self.next_choice or self.choice
         if self.next_every != self.sync_every:  # sync_every="auto": the steps from here on take the new H
             self.sync_every = self.next_every
             self.plan = [self.sync_every] * len(self.plan) if len(set(self.plan)) == 1 or self.last_report is None \
                 else self.speed_plan(self.last_report)
         return report
+
+    def every_state(self) -> dict[str, Any]:
+        """The H of the steps from here on and the H the next launch takes, with why (what a
+        restarted elastic replica group takes from a peer, so it steps its rounds as they do)."""
+        return {"sync_every": self.sync_every, "next_every": self.next_every,
+                "choice": None if self.choice is None else self.choice.as_dict(),
+                "next_choice": None if self.next_choice is None else self.next_choice.as_dict()}
+
+    def load_every_state(self, saved: dict[str, Any]) -> None:
+        """A peer's :meth:`every_state` (an equal plan follows the new H)."""
+        equal = len(set(self.plan)) == 1
+        self.sync_every, self.next_every = int(saved["sync_every"]), int(saved["next_every"])
+        choice, next_choice = saved.get("choice"), saved.get("next_choice")
+        self.choice = None if choice is None else EveryChoice.from_dict(choice)
+        self.next_choice = None if next_choice is None else EveryChoice.from_dict(next_choice)
+        if equal:
+            self.plan = [self.sync_every] * len(self.plan)
 
     def put_back(self, hand_over: HandOver) -> None:
         """A round was dropped (elastic replicas): its hand-over's steps and weight count again
@@ -424,17 +504,19 @@ class Pacing:
         self.round_weight += hand_over.weight
 
     def finish_runs_last_round(self, unsynced: bool) -> bool:
-        """Whether ``finish()`` runs a last round: once replicas were paced apart always (none
-        can know whether another holds steps no round has carried; one without weighs
-        nothing), in lockstep (or speed pacing that never left it) when this replica holds such
-        steps (every replica alike), never once another replica has finished."""
+        """Whether ``finish()`` runs a last round: once replicas were paced apart, or where a
+        round may land late (``sync_every="auto"``), always (none can know whether another holds
+        steps no round has carried: a late replica took steps past a round the others stopped
+        at; one without weighs nothing), in lockstep (or speed pacing that never left it) when
+        this replica holds such steps (every replica alike), never once another replica has
+        finished."""
         if self.peer_finished:
             return False
-        return unsynced or self.paced_apart
+        return unsynced or self.paced_apart or self.may_land_late
 
-    def landed(self, report: ReplicaReport | None) -> None:
-        """A round landed with ``report`` (None: a round restored from a state saved without
-        it): the stop agreed, the next plan."""
+    def landed(self, report: ReplicaReport | None, index: int = -1) -> None:
+        """Round ``index`` landed with ``report`` (None: a round restored from a state saved
+        without it): the stop agreed, the next plan."""
         if report is None:
             return
         self.last_report = report
@@ -447,9 +529,10 @@ class Pacing:
         if bounds is not None:
             # The fastest replica's pace (it takes H steps), the slowest round time anyone measured.
             paces = [s for s in report.step_seconds if s > 0]
-            self.next_every = plan_sync_every(self.next_every, bounds, min(paces) if paces else 0.0,
-                                              max(report.round_seconds, default=0.0),
-                                              blocking=self.options.sync_delay == 0)
+            self.next_choice = plan_sync_every(self.next_every, bounds, min(paces) if paces else 0.0,
+                                               max(report.round_seconds, default=0.0),
+                                               blocking=self.options.sync_delay == 0, report_round=index)
+            self.next_every = self.next_choice.sync_every
         if self.options.pacing == SPEED:
             plan = self.speed_plan(report)
             self.gap_reports = self.gap_reports + 1 if len(set(plan)) > 1 else 0
@@ -507,17 +590,35 @@ class Pacing:
         its own and :data:`PATIENCE_ROUNDS` of the longest more, at the last report's paces (at
         least :data:`PATIENCE_SECONDS`), once speed pacing gave the replicas
         different plans (their launches are no longer at the same step counts, even where their
-        plans are equal again); None (as long as it takes) before, where every replica reaches
-        every step count with the others, and with a fixed schedule, whose rounds are the
-        recurrence's bit for bit."""
-        if not self.paced_apart or self.options.pacing != SPEED:
+        plans are equal again); with ``sync_every="auto"`` otherwise :data:`PEER_PATIENCE` of an
+        inner step at this replica's pace (a round waits for the link, not for a peer a little
+        behind); None (as long as it takes) with a fixed ``sync_every``, where every replica
+        reaches every step count with the others and the rounds are the recurrence's bit for bit."""
+        if not self.lands_late:
             return None
+        if not self.paced_apart or self.options.pacing != SPEED:
+            if not self.may_land_late:
+                return None
+            return max(PEER_PATIENCE * self.pace(), PEER_PATIENCE_SECONDS)
         seconds = self.last_report.step_seconds if self.last_report is not None else ()
         rounds = [steps * s for steps, s in zip(self.plan, seconds)]
         if not rounds:
             return PATIENCE_SECONDS
         longest, own = max(rounds), rounds[self.replica] if self.replica < len(rounds) else 0.0
         return max(longest - own + PATIENCE_ROUNDS * longest, PATIENCE_SECONDS)
+
+    @property
+    def may_land_late(self) -> bool:
+        """A round may land late on equal plans: with ``sync_every="auto"``, where the outer
+        rounds can (:attr:`lands_late`)."""
+        return self.lands_late and self.options.auto_every is not None
+
+    @property
+    def lands_by_launch(self) -> bool:
+        """A late round lands by this replica's next launch, waiting there if it must: the
+        replicas launch at the same step counts (they were never paced apart by speed), so the
+        one behind reaches its own launch before this one's next."""
+        return not (self.paced_apart and self.options.pacing == SPEED)
 
     def stall_bound(self, timeout: float) -> float | None:
         """How long a round may wait for the other replicas' hand-overs before
@@ -596,8 +697,7 @@ class Pacing:
         steps and weights since the last hand-over and the stop state (the wall-clock parts are
         measured again after a load); the round in flight's report is the loop's to save."""
         return {
-            "sync_every": self.sync_every,
-            "next_every": self.next_every,
+            **self.every_state(),
             "round_seconds": self.round_seconds,
             "plan": list(self.plan),
             "hand_over_steps": self.round_steps,
@@ -613,8 +713,9 @@ class Pacing:
     def load_state_dict(self, saved: dict[str, Any], round_steps: int) -> None:
         """``round_steps``: the steps since the last launch, for a state saved without them. A
         state saved at another number of replicas restarts the plan (``first_plan``)."""
-        self.sync_every = int(saved.get("sync_every", self.options.sync_every))
-        self.next_every = int(saved.get("next_every", self.sync_every))
+        every = int(saved.get("sync_every", self.options.sync_every))
+        self.load_every_state({"sync_every": every, "next_every": saved.get("next_every", every),
+                               "choice": saved.get("choice"), "next_choice": saved.get("next_choice")})
         self.round_seconds = float(saved.get("round_seconds", 0.0))
         plan = saved.get("plan")
         self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()

@@ -56,6 +56,9 @@ class RoundStats:
             on CPU the rest of a phase's time is waiting for the network).
         wait_seconds / wait_start / wait_end: how long (and when) the compute lane
             blocked in ``step()`` for this round.
+        patience_seconds: how long ``step()`` waited, before that, for the other replicas'
+            hand-overs until this replica went on stepping and landed the round late
+            (``mode="local"``; host time): also time spent waiting for the round.
         grad_norm: the global 2-norm of the averaged gradient before clipping (only with
             ``max_grad_norm``).
         skipped: the round saw non-finite gradients and, with ``nonfinite="skip"``,
@@ -69,6 +72,10 @@ class RoundStats:
             seconds per step, stop requests: :class:`acco.local.ReplicaReport`); None otherwise.
         sync_every: an outer round's H, the fastest replica's inner steps in it (with
             ``sync_every="auto"``, what the planner chose); None otherwise.
+        sync_every_choice: with ``sync_every="auto"``, why the round has its H: the step time
+            and round time the planner chose it from, and the H they asked for
+            (:class:`acco.replicas.EveryChoice`); None for the first rounds (the lower bound)
+            and otherwise.
         phase: the lane phase the round is in (or failed in); ``"queued"`` before it starts.
         participants: an elastic outer round's replica groups (:mod:`acco.elastic`); None otherwise.
         dropped: an elastic outer round some participant failed: it changed nothing (each
@@ -94,6 +101,7 @@ class RoundStats:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     wait_seconds: float = 0.0
+    patience_seconds: float = 0.0
     wait_start: float = math.nan
     wait_end: float = math.nan
     grad_norm: float = math.nan
@@ -101,6 +109,7 @@ class RoundStats:
     replayed: bool = False
     replicas: Any = None
     sync_every: int | None = None
+    sync_every_choice: Any = None
     phase: str = "queued"
     participants: int | None = None
     dropped: bool = False

@@ -801,7 +801,7 @@ def lane_summary(stats: Sequence[Any]) -> dict[str, Any]:
     names, mean = dict.fromkeys(p for s in stats for p in s.phase_seconds), statistics.fmean
     return {
         "rounds": len(stats), "lane_s": mean(s.lane_seconds for s in stats),
-        "wait_s": mean(s.wait_seconds for s in stats), "hidden_share": mean(s.hidden_share for s in stats),
+        "wait_s": mean(s.wait_seconds + getattr(s, "patience_seconds", 0.0) for s in stats), "hidden_share": mean(s.hidden_share for s in stats),
         "phase_s": {p: mean(s.phase_seconds.get(p, 0.0) for s in stats) for p in names},
         # CPU time of the lane's thread (checkouts from before RoundStats.phase_cpu_seconds: none)
         "phase_cpu_s": {p: mean(getattr(s, "phase_cpu_seconds", {}).get(p, 0.0) for s in stats) for p in names},

@@ -29,6 +29,7 @@ import dataclasses
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -126,6 +127,21 @@ def method_of(cell: str) -> str:
     return "acco-sync" if name == SYNC else name + "-lockstep"
 
 
+SEED = 1337  # a cell's key is its name at this seed; at another, NAME~sSEED
+SEED_MARK = "~s"
+
+
+def cell_key(cell: str, seed: int) -> str:
+    """Where a cell run at ``seed`` is kept in the results file."""
+    return cell if seed == SEED else f"{cell}{SEED_MARK}{seed}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """A results key's cell and seed."""
+    cell, mark, seed = key.partition(SEED_MARK)
+    return cell, int(seed) if mark else SEED
+
+
 def results_path(setting: str, results_dir: Path = common.RESULTS_DIR) -> Path:
     return results_dir / f"local_quality-{setting}.json"
 
@@ -138,7 +154,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add("setting", nargs="?", choices=sorted(SETTINGS), help="which runs (see the module's docstring)")
     add("--cells", nargs="+", default=None, help="these cells instead of the setting's")
     add("--report", action="store_true", help="print the tables, write the figure; no training")
-    add("--seed", type=int, default=1337)
+    add("--seed", type=int, default=SEED, help=f"the model's initial values, the data's order and the held-out "
+        f"set; a cell run at another seed than {SEED} is kept as CELL{SEED_MARK}SEED")
     add("--steps", type=int, default=None, help="inner steps per replica (default: the size's)")
     add("--eval-batches", type=int, default=48)
     add("--device", choices=("cpu", "cuda"), default=None, help="default: the size's")
@@ -240,20 +257,22 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.steps * setting.ranks * config.batch_size * config.seq_len
     results.update({
         "setting": {"name": args.setting, "size": args.setting.split("-")[0], **dataclasses.asdict(setting.model),
-                    "ranks": setting.ranks, "steps": args.steps, "seed": args.seed, "eval_batches": args.eval_batches,
+                    "ranks": setting.ranks, "steps": args.steps, "seed": SEED, "eval_batches": args.eval_batches,
                     "parameters": parameters, "tokens": tokens, "tokens_per_parameter": tokens / parameters,
                     "default_sync_every": acco.options.DEFAULT_SYNC_EVERY},
         "command": f"python benchmarks/local_quality.py {args.setting}",
     })
     results.setdefault("cells", {})
     for cell in args.cells or setting.cells:
-        if cell in results["cells"] and not args.again:
+        key = cell_key(cell, args.seed)
+        if key in results["cells"] and not args.again:
             continue
         wait_for_quiet()
-        print(f"local quality {args.setting}: {cell}", flush=True)
+        print(f"local quality {args.setting}: {cell}, seed {args.seed}", flush=True)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        run = common.run_ranks(args, setting.ranks, "--cell", cell)
-        results["cells"][cell] = run
+        run = common.run_ranks(args, setting.ranks, "--cell", cell, "--seed", str(args.seed))
+        run["seed"] = args.seed
+        results["cells"][key] = run
         print(f"  final held-out loss {run['final_loss']:.4f} ({run['runtime_s']:.0f} s)", flush=True)
         results["runtime_s"] = results.get("runtime_s", 0.0) + run["runtime_s"]
         common.save(args, results)
@@ -272,7 +291,7 @@ def load_all(results_dir: Path = common.RESULTS_DIR) -> dict[str, dict[str, Any]
 def compare(data: dict[str, Any]) -> dict[str, Any]:
     """One setting's cells against data-parallel and against the best local cell (percent of
     held-out loss), and whether the library's defaults meet the bar there."""
-    losses = {cell: run["final_loss"] for cell, run in data["cells"].items()}
+    losses = {cell: run["final_loss"] for cell, run in data["cells"].items() if split_key(cell)[1] == SEED}
     dp = losses.get(SYNC)
     local = {cell: loss for cell, loss in losses.items() if cell != SYNC}
     best = min(local, key=local.get) if local else None
@@ -304,8 +323,46 @@ def table(name: str, data: dict[str, Any]) -> str:
     head = (f"`{name}`: {common.describe(s, s['parameters'])}, R = {s['ranks']}, {s['steps']} inner steps per replica, "
             f"{s['tokens'] / 1e6:.1f}M tokens = {s['tokens_per_parameter']:.1f} tokens per parameter, inner AdamW "
             f"lr {s['lr']:g} ({s['warmup']} warm-up steps, cosine to a tenth), seed {s['seed']}")
-    return head + "\n\n" + common.md_table(
+    text = head + "\n\n" + common.md_table(
         ["cell", "what", "H", "outer rounds", "held-out loss", "vs data-parallel", "vs best local"], rows)
+    seeds = seeds_table(name, data)
+    return text + ("\n\n" + seeds if seeds else "")
+
+
+def by_seed(data: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Each cell's final held-out loss at every seed it ran."""
+    out: dict[str, dict[int, float]] = {}
+    for key, run in data["cells"].items():
+        cell, seed = split_key(key)
+        out.setdefault(cell, {})[seed] = run["final_loss"]
+    return out
+
+
+def seed_gaps(data: dict[str, Any], cell: str) -> dict[int, float]:
+    """``cell`` against data-parallel at each seed both ran (percent of held-out loss)."""
+    losses = by_seed(data)
+    dp, own = losses.get(SYNC, {}), losses.get(cell, {})
+    return {seed: 100 * (own[seed] / dp[seed] - 1) for seed in sorted(own) if seed in dp}
+
+
+def seeds_table(name: str, data: dict[str, Any]) -> str:
+    """The cells run at more than one seed: each seed's loss and its gap to data-parallel at
+    that seed, their mean and spread."""
+    rows = []
+    for cell, losses in sorted(by_seed(data).items()):
+        if len(losses) < 2:
+            continue
+        gaps = seed_gaps(data, cell) if cell != SYNC else {}
+        per_seed = ", ".join(f"{seed}: {loss:.4f}" + (f" ({gaps[seed]:+.2f}%)" if seed in gaps else "")
+                             for seed, loss in sorted(losses.items()))
+        mean_gap = f"{statistics.fmean(gaps.values()):+.2f}%" if gaps else "-"
+        spread = f"{min(gaps.values()):+.2f}% to {max(gaps.values()):+.2f}%" if gaps else "-"
+        rows.append([f"`{cell}`", per_seed, f"{statistics.fmean(losses.values()):.4f}", mean_gap, spread])
+    if not rows:
+        return ""
+    return (f"`{name}` over seeds (each seed its own initial model, data order and held-out set; the gap to "
+            "data-parallel at the same seed):\n\n" + common.md_table(
+                ["cell", "held-out loss by seed (vs data-parallel)", "mean loss", "mean gap", "spread of the gap"], rows))
 
 
 def figure(data: dict[str, dict[str, Any]], out_dir: Path) -> str:
@@ -318,6 +375,8 @@ def figure(data: dict[str, dict[str, Any]], out_dir: Path) -> str:
         s = data[name]["setting"]
         per_step = s["ranks"] * s["batch_size"] * s["seq_len"]
         for i, (cell, run) in enumerate(sorted(data[name]["cells"].items())):
+            if split_key(cell)[1] != SEED:  # (the other seeds: the seeds table)
+                continue
             points = [(p["inner_steps"] * per_step / 1e6, p["loss"]) for p in run["points"] if p["inner_steps"] > 0]
             style = dict(color="black", ls="--") if cell == SYNC else dict(color=cmap(i % 10), ls="-")
             ax.plot(*zip(*points), lw=2.2 if cell == DEFAULTS else 1.0, label=f"{cell}: {run['final_loss']:.3f}", **style)
@@ -340,12 +399,17 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
     return "\n\n".join(parts)
 
 
-# The sizing rule's inputs: a round is a reduce-scatter and an all-gather of the model, each rank
-# sending (R - 1) / R of it on each leg; 4-bit rounds send 0.134 of fp32's bytes (int4 blocks of 64
-# values with a bf16 scale each, measured on the wire: docs/loops.md, "Lighter outer rounds").
+# The projection's inputs (docs/loops.md, "What the default chooses at scale"): a round is a
+# reduce-scatter and an all-gather of the model, each replica sending (R - 1) / R of it on each leg;
+# 4-bit rounds send 0.134 of fp32's bytes (int4 blocks of 64 values with a bf16 scale each, measured
+# on the wire: docs/loops.md, "Lighter outer rounds"). Inner steps: a 1B model on one replica of 8
+# H100s takes about 1.9 s a step (the step of issue 71's example: 1M tokens a step at ~40% of the
+# GPUs' bf16 peak); an 8B model on the same replica 8 times that (the FLOPs per token scale with
+# the parameters, the tokens per step are the same).
 WIRE_SHARE = {32: 1.0, 4: 0.134}
-SIZING_PARAMETERS = (85e6, 350e6, 1.3e9, 7e9)
-SIZING_LINKS_GBIT = (1, 10, 100)
+PROJECTED = ((1e9, 1.9), (8e9, 8 * 1.9))  # (parameters, seconds per inner step)
+PROJECTED_REPLICAS = (2, 8)
+PROJECTED_LINKS_GBIT = (1, 10, 100)
 
 
 def round_seconds(parameters: float, replicas: int, link_gbit: float, bits: int = 4) -> float:
@@ -354,26 +418,52 @@ def round_seconds(parameters: float, replicas: int, link_gbit: float, bits: int 
     return sent * 8 / (link_gbit * 1e9)
 
 
-def sizing() -> str:
-    """docs/loops.md's sizing table: a 4-bit round's time against model size and link, R = 2,
-    and the H at which blocking on it costs a sixth of the time for a given inner step."""
+def chosen_every(step_seconds: float, round_time: float, bounds: tuple[int, int] = acco.options.AUTO_EVERY_BOUNDS,
+                 rounds: int = 32) -> int:
+    """The H the default (``sync_every="auto"``, blocking) settles on for these measures: the
+    library's own planner, from the lower bound, round after round until it stops moving."""
+    every = bounds[0]
+    for _ in range(rounds):
+        chosen = acco.replicas.plan_sync_every(every, bounds, step_seconds, round_time, blocking=True).sync_every
+        if chosen == every:
+            break
+        every = chosen
+    return every
+
+
+def projection() -> str:
+    """docs/loops.md's projection: the H the default chooses and the share of the wall time a
+    replica then waits for rounds, T / (H t + T), for 1B and 8B parameters, 2 and 8 replicas, at
+    1, 10 and 100 Gbit/s."""
     rows = []
-    for parameters in SIZING_PARAMETERS:
-        sent = 2 * 0.5 * parameters * 4 * WIRE_SHARE[4] / 1e6
-        times = [round_seconds(parameters, 2, gbit) for gbit in SIZING_LINKS_GBIT]
-        rows.append([f"{parameters / 1e6:,.0f}M", f"{sent:,.0f} MB",
-                     *(f"{t:.3g} s (H >= {max(1, math.ceil(5 * t / 0.5))})" for t in times)])
-    return ("A 4-bit outer round's traffic per replica and its time on the link, R = 2, with the smallest H "
-            "for which blocking on it costs at most a sixth of the run for an inner step of 0.5 s "
-            "(`T <= 0.2 H t`, the rule `sync_every=\"auto\"` applies; `local_quality.round_seconds`):\n\n"
-            + common.md_table(["parameters", "sent per round", *(f"{g} Gbit/s" for g in SIZING_LINKS_GBIT)], rows))
+    for parameters, step in PROJECTED:
+        for replicas in PROJECTED_REPLICAS:
+            cells = []
+            for gbit in PROJECTED_LINKS_GBIT:
+                t_round = round_seconds(parameters, replicas, gbit)
+                every = chosen_every(step, t_round)
+                blocked_at_4 = t_round / (4 * step + t_round)
+                cells.append(f"T {t_round:.3g} s: H = {every}, waits {100 * t_round / (every * step + t_round):.1f}% "
+                             f"(H = 4: {100 * blocked_at_4:.0f}%)")
+            sent = 2 * (replicas - 1) / replicas * parameters * 4 * WIRE_SHARE[4] / 1e9
+            rows.append([f"{parameters / 1e9:g}B", str(replicas), f"{step:.3g} s", f"{sent:.2f} GB", *cells])
+    bounds = acco.options.AUTO_EVERY_BOUNDS
+    return ("What the default (`sync_every=\"auto\"` between "
+            f"{bounds[0]} and {bounds[1]}, blocking 4-bit rounds) chooses, by the library's own planner "
+            "(`acco.replicas.plan_sync_every`, run round after round until H stops moving: `local_quality.chosen_every`), "
+            "and the share of the wall time a replica then waits for rounds, `T / (H t + T)`, beside blocking at "
+            "H = 4. T: a round's bytes per replica (a ring reduce-scatter and all-gather of the model at 4 bits, "
+            "0.134 of fp32's bytes) over the link, latency left out; t: an inner step, 1.9 s for 1B parameters on "
+            "a replica of 8 H100s, 8 times that for 8B on the same replica:\n\n"
+            + common.md_table(["parameters", "replicas", "inner step t", "sent per round and replica",
+                               *(f"{g} Gbit/s" for g in PROJECTED_LINKS_GBIT)], rows))
 
 
 def blocks(results: dict[str, Any], results_dir: Path) -> dict[str, str]:
     """docs/loops.md's blocks (report.py): the quality table from every setting's file in
-    ``results_dir``, and the sizing table."""
+    ``results_dir``, and the projection of what the default chooses at scale."""
     text = report(results_dir)
-    return {"local-sizing": sizing(), **({"local-quality": text} if text else {})}
+    return {"local-sizing": projection(), **({"local-quality": text} if text else {})}
 
 
 def runtimes(results: dict[str, Any]) -> list[tuple[str, float]]:

@@ -6,8 +6,8 @@ the methods a user chooses between (no training here; it reads a time_to_loss.py
 The result it reads was made by (about 20 minutes, as root for the rate-limited loopback)::
 
     sudo $(which python) benchmarks/time_to_loss.py --links comm~compute --rates 20mbit \\
-        --methods ddp-zero1 acco-aww local-h16-d0 local-h16 local-h16-d8-discard-olr0.7-mom0.9 \\
-        --budget 60 --seeds 1337 7 42 --out benchmarks/results/slow_links-20mbit.json
+        --methods ddp-zero1 acco-aww local-hdefault local-h4 local-h30-olr0.5-mom0.3 \\
+        --budget 60 --seeds 1337 7 42 --no-report --out benchmarks/results/slow_links-20mbit.json
 
 Each method's seeds are drawn as thin lines, their median at each evaluation as a thick one.
 """
@@ -24,8 +24,11 @@ import common
 SOURCE = common.RESULTS_DIR / "slow_links-20mbit.json"
 FIGURE = common.REPO_ROOT / "docs" / "slow_links.png"
 # What each name meant when the run was made (a name without settings means the library's
-# defaults of that day: then the estimate rule with auto landing; now blocking rounds).
+# defaults of that day).
 LABELS = {
+    "local-hdefault": "acco local, the defaults (sync_every=\"auto\", blocking)",
+    "local-h4": "acco local, H = 4, blocking (the defaults of 2026-11-28)",
+    "local-h30-olr0.5-mom0.3": "acco local, H = 30, blocking, outer Nesterov 0.5 / 0.3 (the defaults of 2026-11-27)",
     "local-h16": "acco local, H = 16, estimate rule, auto landing",
     "local-h8-dauto-estimate": "acco local, H = 8, estimate rule, auto landing",
     "local-h8-d0": "acco local, H = 8, blocking (the default)",

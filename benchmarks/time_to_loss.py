@@ -346,7 +346,8 @@ def replica_telemetry(opt: Any, end_s: float) -> dict[str, Any]:
         float(opt.num_updates + opt.skipped_updates),
         statistics.fmean(r.steps[opt.replica] for r in reports) if reports else 0.0,
         statistics.fmean(r.weights[opt.replica] for r in reports) if reports else 0.0,
-        math.fsum(s.wait_seconds for s in opt.round_stats if not math.isnan(s.wait_seconds)),
+        # (the wait for a round, and the wait for the others' hand-overs before a late landing)
+        math.fsum(s.wait_seconds + s.patience_seconds for s in opt.round_stats if not math.isnan(s.wait_seconds)),
     ]
     values = common.all_reduce(own)
     by_rank = [values[4 * r: 4 * r + 4] for r in range(world)]

@@ -4,7 +4,9 @@ round's own time (acco.replicas.plan_sync_every), the same on every replica, sav
 from __future__ import annotations
 
 import copy
+import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,8 @@ import torch.distributed as dist
 
 from acco import AccoOptimizer
 from acco.options import AUTO_EVERY_BOUNDS
-from acco.replicas import AUTO_HYSTERESIS, AUTO_SHARE, Pacing, plan_sync_every
-from tests.helpers import TIMEOUT, assert_params_equal
+from acco.replicas import AUTO_GROWTH, AUTO_HYSTERESIS, AUTO_WAIT_SHARE, EveryChoice, Pacing, plan_sync_every
+from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_equal
 from tests.reference import OPTIMIZERS, make_model, params_of
 from tests.ranks import run_script
 from tests.test_local import inner_step
@@ -33,22 +35,70 @@ BOUNDS = (4, 128)
 
 
 def test_the_plan_is_the_smallest_h_whose_round_costs_its_share() -> None:
-    step, share = 0.1, AUTO_SHARE
-    # Blocking: a round of AUTO_SHARE * 1 s costs AUTO_SHARE of 10 steps of 0.1 s.
-    assert plan_sync_every(30, BOUNDS, step, share * 10 * step, blocking=True) == 10
+    step, share = 0.1, AUTO_WAIT_SHARE
+    ratio = (1 - share) / share  # a blocking round of T costs T / (H t + T) <= share once H t >= T ratio
+
+    def plan(current: int, round_seconds: float, blocking: bool = True, step_seconds: float = step) -> int:
+        return plan_sync_every(current, BOUNDS, step_seconds, round_seconds, blocking=blocking).sync_every
+
+    # Blocking: a round of 10 steps' worth / ratio costs exactly the share of 10 steps and itself.
+    assert plan(16, 10 * step / ratio) == 10
+    assert plan(16, 10 * step / ratio * 1.01) == 11
     # In flight: the round must fit behind its steps (5 steps of 0.1 s for a round of 0.45 s).
-    assert plan_sync_every(30, BOUNDS, step, 0.45, blocking=False) == 5
-    # The bounds.
-    assert plan_sync_every(30, BOUNDS, step, 100.0, blocking=True) == BOUNDS[1]
-    assert plan_sync_every(30, BOUNDS, step, 1e-6, blocking=True) == BOUNDS[0]
-    # Nothing measured yet: H stays.
-    assert plan_sync_every(7, BOUNDS, 0.0, 0.5, blocking=True) == 7
-    assert plan_sync_every(7, BOUNDS, 0.1, 0.0, blocking=True) == 7
-    # Hysteresis: a choice within AUTO_HYSTERESIS of H leaves it; one outside moves it.
-    inside = int(10 * AUTO_HYSTERESIS)
-    assert plan_sync_every(10, BOUNDS, step, share * inside * step, blocking=True) == 10
-    assert plan_sync_every(10, BOUNDS, step, share * (inside + 1) * step, blocking=True) == inside + 1
-    assert plan_sync_every(10, BOUNDS, step, share * 7 * step, blocking=True) == 7
+    assert plan(30, 0.45, blocking=False) == 5
+    # The bounds: a fast link keeps the lower one.
+    assert plan(128, 100.0) == BOUNDS[1]
+    assert plan(30, 1e-6) == BOUNDS[0]
+    # Up at once, at most AUTO_GROWTH times a round (a round slowed by something else does not take
+    # H to the upper bound); down only past AUTO_HYSTERESIS.
+    assert plan(8, 100.0) == AUTO_GROWTH * 8
+    assert plan(10, 11 * step / ratio) == 11
+    inside = math.ceil(10 / AUTO_HYSTERESIS)
+    assert plan(10, inside * step / ratio) == 10
+    assert plan(10, (inside - 1) * step / ratio) == inside - 1
+    # Nothing measured yet: H stays, and the choice says so.
+    unmeasured = plan_sync_every(7, BOUNDS, 0.0, 0.5, blocking=True)
+    assert unmeasured.sync_every == 7 and math.isnan(unmeasured.needed)
+    assert plan(7, 0.0) == 7
+    # The choice says what it was made from.
+    choice = plan_sync_every(4, BOUNDS, step, 10 * step / ratio, blocking=True, report_round=3)
+    assert (choice.step_seconds, choice.round_seconds, choice.report_round) == (step, 10 * step / ratio, 3)
+    assert choice.needed == pytest.approx(10) and EveryChoice.from_dict(choice.as_dict()) == choice
+
+
+def every_history(opt: AccoOptimizer) -> list[dict]:
+    """Each round's index, H, why (its :class:`EveryChoice`), report, and whether it landed."""
+    return [{"index": s.index, "sync_every": s.sync_every,
+             "choice": None if s.sync_every_choice is None else s.sync_every_choice.as_dict(),
+             "report": None if s.replicas is None else s.replicas.as_dict(), "landed": not (s.dropped or s.replayed)}
+            for s in opt.round_stats]  # fmt: skip
+
+
+def assert_planned(history: list[dict], bounds: tuple[int, int], blocking: bool = True) -> int:
+    """Every round's H is the planner's, replayed: the lower bound until a choice is made, then
+    :func:`plan_sync_every` on the report of the landed round its choice names (the fastest
+    replica's pace, the slowest round time) from the H chosen before it. Returns how many
+    choices were replayed."""
+    reports = {h["index"]: h["report"] for h in history if h["landed"] and h["report"] is not None}
+    current, last, replayed = bounds[0], None, 0
+    for h in history:
+        choice = h["choice"]
+        if choice is None:
+            assert h["sync_every"] == bounds[0], h
+            continue
+        assert h["sync_every"] == choice["sync_every"], h
+        if choice["report_round"] == last:  # (a round launched again without a landing: the same choice)
+            continue
+        report = reports[choice["report_round"]]
+        paces = [s for s in report["step_seconds"] if s > 0]
+        assert (choice["step_seconds"], choice["round_seconds"]) == (min(paces, default=0.0),
+                                                                      max(report["round_seconds"], default=0.0)), h
+        again = plan_sync_every(current, bounds, choice["step_seconds"], choice["round_seconds"], blocking,
+                                choice["report_round"])  # fmt: skip
+        assert again.sync_every == choice["sync_every"], (again, h)
+        assert again.needed == pytest.approx(choice["needed"], nan_ok=True), (again, h)
+        current, last, replayed = choice["sync_every"], choice["report_round"], replayed + 1
+    return replayed
 
 
 def test_auto_is_checked_before_anything_is_built() -> None:
@@ -87,7 +137,7 @@ def auto_rank(steps: int, save_at: int | None, states: list[dict] | None, delay:
             saved = opt.state_dict()
     opt.finish()
     history = [(s.index, s.sync_every, None if s.replayed else list(s.replicas.steps)) for s in opt.round_stats]
-    return {"history": history, "saved": saved}
+    return {"history": history, "saved": saved, "every": every_history(opt)}
 
 
 @pytest.mark.parametrize("delay", [0, "auto"])
@@ -101,19 +151,66 @@ def test_every_replica_takes_the_same_h_each_round(ranks, delay) -> None:
     assert histories[0][0][1] == 2
     for _, every, stepped in histories[0][:-1]:  # (the last round: finish()'s, over the steps left)
         assert 2 <= every <= 16 and stepped == [every, every]
+    for result in results:  # each round's H is the planner's choice from the run's own reports
+        assert_planned(result["every"], (2, 16), blocking=delay == 0)
 
 
 def test_a_resume_keeps_the_h_it_had_chosen(ranks) -> None:
     """Each rank's state saved mid-run holds the H of the steps since its last launch and the
-    one the next launch takes; a resumed run's first round is that H."""
+    one the next launch takes; a resumed run's first round is that H, and its rounds are the same
+    on both replicas."""
     results = ranks(2).run(auto_rank, 60, 30, None, 0)
     saved = [r["saved"] for r in results]
     chosen = saved[0]["acco"]["local"]["sync_every"]
     assert 2 <= chosen <= 16 and saved[1]["acco"]["local"]["sync_every"] == chosen
     assert saved[0]["acco"]["local"]["next_every"] == saved[1]["acco"]["local"]["next_every"]
     resumed = ranks(2).run(auto_rank, 4, None, saved, 0)
-    assert resumed[0]["history"] == resumed[1]["history"]
-    assert resumed[0]["history"][0][1] == chosen
+    # (a rank saved while a round it would have landed late was in flight replays its landing)
+    landed = [[entry for entry in r["history"] if entry[2] is not None] for r in resumed]
+    assert landed[0] == landed[1]
+    assert resumed[0]["history"][0][1] == resumed[1]["history"][0][1] == chosen
+
+
+def late_rank(every: object, late_seconds: float) -> dict:
+    """Replicas in lockstep, 50 ms an inner step, replica 1 ``late_seconds`` behind at its hand-over
+    after step 8: the inner step after which each landed round landed on this replica."""
+    rank = dist.get_rank()
+    model = make_model()
+    cls, hp = OPTIMIZERS["adamw"]
+    opt = AccoOptimizer(model, cls, mode="local", sync_every=every, pacing="lockstep", timeout=TIMEOUT, **hp)
+    landed_after = []
+    for step in range(16):
+        time.sleep(0.05 + (late_seconds if rank == 1 and step == 7 else 0.0))
+        before = opt.outer_rounds
+        inner_step(opt, model, step, rank, weighted=False)
+        landed_after += [step + 1] * (opt.outer_rounds - before)
+    opt.finish()
+    return {"landed_after": landed_after, "params": params_of(model),
+            "patience": [s.patience_seconds for s in opt.round_stats]}
+
+
+@pytest.mark.parametrize("every", [("auto", 4, 4), 4])
+def test_a_round_waits_for_the_link_not_for_a_replica_behind(ranks, every) -> None:
+    """sync_every="auto" (bounds 4-4: H stays 4): replica 1 hands over round 2 a second late;
+    replica 0 waits PEER_PATIENCE of a step for it, goes on stepping and lands the round late,
+    its steps since kept, by its next launch at the latest (after step 12), where it waits if it
+    must (and round 3 may then land late too, by step 16); both replicas launch every round at
+    the same step counts and end identical. With a
+    fixed sync_every (4) replica 0 waits for replica 1 at the launch (its rounds are the
+    recurrence's bit for bit)."""
+    results = ranks(2).run(late_rank, every, 1.0)
+    assert_identical_across_ranks(results)
+    fast, slow = (r["landed_after"] for r in results)
+    if every == 4:
+        assert fast[:4] == slow[:4] == [4, 8, 12, 16], (fast, slow)
+        assert results[0]["patience"][1] == 0.0
+        return
+    # Each round launched after steps 4, 8, 12 and 16 on both, and landed by the next launch (the
+    # first may land late on either, as the machine's timing makes one replica hand over first).
+    for landed in (fast, slow):
+        assert all(4 * (n + 1) <= step <= 4 * (n + 2) for n, step in enumerate(landed[:4])), landed
+    assert slow[1] == 8 and 8 < fast[1] <= 12, (fast, slow)  # round 2: late on replica 0 alone
+    assert results[0]["patience"][1] > 0.0
 
 
 @pytest.mark.stress
@@ -148,25 +245,34 @@ def test_h_follows_the_link_when_its_rate_changes(tmp_path) -> None:
 
 
 # Each round's time as a function of the H just stepped, so that the planner's choices move every
-# round, the same in every run: from H the next round takes CYCLE[H] (blocking, steps of 0.01 s).
-CYCLE = {2: 10, 10: 4, 4: 14, 14: 2}
+# few rounds, the same in every run: a round after fewer than 16 steps asks for 16 (H doubles
+# towards it, AUTO_GROWTH at a time), one after 16 for 2 (H falls back). Steps of 0.01 s.
 STEP_SECONDS = 0.01
+
+
+def cycled_round_seconds(stepped: int) -> float:
+    """The round time that makes a blocking plan ask for 16 after fewer than 16 steps, 2 after 16."""
+    asked = 2 if stepped >= 16 else 16
+    return (asked - 0.5) * STEP_SECONDS * AUTO_WAIT_SHARE / (1 - AUTO_WAIT_SHARE)
 
 
 def planned_rank(start: int, steps: int, save_at: int | None, states: list[dict] | None) -> dict:
     """Replicas in lockstep with sync_every=("auto", 2, 16), blocking, their measures replaced
-    by :data:`CYCLE`'s (the wall clock of one run is not another's): inner steps ``start`` to
+    by :func:`cycled_round_seconds` and no late landing (the wall clock of one run is not another's): inner steps ``start`` to
     ``start + steps``, from this rank's model and optimizer state in ``states`` if given; the
     state after ``save_at`` inner steps."""
     rank = dist.get_rank()
-    measured_pace, measured_hand_over = Pacing.pace, Pacing.hand_over
+    measured_pace, measured_hand_over, measured_patience = Pacing.pace, Pacing.hand_over, Pacing.patience
 
     def hand_over(self):  # type: ignore[no-untyped-def]
-        if self.round_seconds > 0:  # a round has landed: its time, as CYCLE has it
-            self.round_seconds = AUTO_SHARE * STEP_SECONDS * (CYCLE[self.sync_every] - 0.5)
+        if self.round_seconds > 0:  # a round has landed: its time, as cycled_round_seconds has it
+            self.round_seconds = cycled_round_seconds(self.sync_every)
         return measured_hand_over(self)
 
     Pacing.pace, Pacing.hand_over = (lambda self: STEP_SECONDS), hand_over  # type: ignore[method-assign]
+    # No late landing either: where a replica lands a round that waited for a peer depends on the
+    # wall clock too (test_a_round_waits_for_the_link_not_for_a_replica_behind); this is the planner's.
+    Pacing.patience = lambda self: None  # type: ignore[method-assign]
     try:
         model = make_model(seed=100 if states else 0)  # a resumed run's other values are overwritten
         cls, hp = OPTIMIZERS["adamw"]
@@ -183,18 +289,18 @@ def planned_rank(start: int, steps: int, save_at: int | None, states: list[dict]
                 saved = {"optimizer": copy.deepcopy(opt.state_dict()), "model": copy.deepcopy(model.state_dict())}
         opt.finish()
     finally:
-        Pacing.pace, Pacing.hand_over = measured_pace, measured_hand_over  # type: ignore[method-assign]
+        Pacing.pace, Pacing.hand_over, Pacing.patience = measured_pace, measured_hand_over, measured_patience  # type: ignore[method-assign]
     history = [(s.index, s.sync_every) for s in opt.round_stats if not s.replayed]
     return {"history": history, "saved": saved, "params": params_of(model)}
 
 
 def test_a_checkpoint_taken_while_the_planner_runs_resumes_bit_for_bit(ranks) -> None:
-    """A run saved after 37 inner steps (inside a round, H having moved 2 -> 10 -> 4 -> ...) and
+    """A run saved after 37 inner steps (inside a round, H having moved 2 -> 4 -> 8 -> ...) and
     resumed in new processes ends with the uninterrupted run's parameters on every replica, bit
     for bit, through the same H in every round after the save."""
     whole = ranks(2).run(planned_rank, 0, 80, 37, None)
     every = [h for _, h in whole[0]["history"]]
-    assert {2, 10, 4, 14} <= set(every), every  # the planner moved H, before the save and after
+    assert {2, 4, 8, 16} <= set(every), every  # the planner moved H, up and down, before the save and after
     resumed = ranks(2).run(planned_rank, 37, 43, None, [r["saved"] for r in whole])
     for rank in range(2):
         assert_params_equal(resumed[rank]["params"], whole[rank]["params"])

@@ -37,6 +37,8 @@ from acco import AccoOptimizer, default_outer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
 from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
+from acco.options import AUTO_EVERY_BOUNDS  # noqa: E402
+from tests.test_auto_every import assert_planned, every_history  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -169,6 +171,56 @@ def test_a_round_one_participant_failed_lands_nowhere() -> None:
     assert count0 == count1 == 3
     for name in params0:
         assert torch.equal(params0[name], params1[name]), name
+
+
+def default_rank(index: int, address: str, steps: int, results) -> None:  # type: ignore[no-untyped-def]
+    """One replica group of one process at mode="local"'s defaults (no sync_every, sync_delay or
+    pacing given): its parameters, every round's H and why, and its rounds."""
+    from acco.elastic import TorchFT
+
+    torch.set_num_threads(1)
+    try:
+        membership = TorchFT.connect(f"replica-{index}", lighthouse=address, start_with=2, hostname="localhost",
+                                     timeout=datetime.timedelta(seconds=10),
+                                     quorum_timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        model = make_model()
+        cls, hp = OPTIMIZERS["adamw"]
+        opt = AccoOptimizer(model, cls, mode="local", membership=membership, max_grad_norm=MAX_NORM,
+                            timeout=datetime.timedelta(seconds=90), **hp)  # fmt: skip
+        described = repr(opt)
+        for t in range(steps):
+            inner_step(opt, model, t, index, weighted=False)
+        opt.finish()
+        results.put((index, {k: v.numpy().tobytes() for k, v in params_of(model).items()}, every_history(opt),
+                     described))  # fmt: skip
+        membership.close()
+    except BaseException as error:  # the test reports it
+        results.put((index, repr(error), None, None))
+        raise
+
+
+def test_elastic_groups_run_the_default_sync_every() -> None:
+    """Two replica groups with membership= and neither sync_every nor sync_delay: the default,
+    sync_every="auto" with blocking rounds. Every landed round's H is the planner's choice from
+    the reports of the rounds before it (replayed), the same on both groups (each hands over its
+    round time: elastic rounds report it like a fixed group's), starting at the lower bound; both
+    end identical."""
+    runs = [lambda address, results, i=i: (default_rank, (i, address, 3 * AUTO_EVERY_BOUNDS[0] * 4, results))
+            for i in range(2)]  # fmt: skip
+    outcome = {r[0]: r[1:] for r in with_lighthouse(runs, timeout=150)}
+    for index in range(2):
+        assert not isinstance(outcome[index][0], str), outcome[index][0]
+        assert "sync_every: auto" in outcome[index][2] and "sync_delay: 0" in outcome[index][2]
+    assert outcome[0][0] == outcome[1][0]
+    every = []
+    for index in range(2):
+        history = outcome[index][1]
+        assert_planned(history, AUTO_EVERY_BOUNDS)
+        # (a group that joined first tried its join round alone: dropped, not counted)
+        every.append([h["sync_every"] for h in history if h["landed"] and h["report"] is not None])
+        assert any(h["report"] is not None and any(h["report"]["round_seconds"]) for h in history), history
+    assert every[0][-len(every[1]):] == every[1] or every[1][-len(every[0]):] == every[0], every
+    assert every[0][1] == AUTO_EVERY_BOUNDS[0], every
 
 
 def misfit_rank(index: int, address: str, results) -> None:  # type: ignore[no-untyped-def]

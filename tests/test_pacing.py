@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from acco.options import LocalOptions, Mode
-from acco.replicas import (APART_REPORTS, PACE_BLOCK, PATIENCE_ROUNDS, PATIENCE_SECONDS, SPEED_BAND, STALL_ROUNDS,
-                           STALL_SHARE, Pacing, PacingStall, ReplicaReport, block_median, pace_window)
+from acco.replicas import (APART_REPORTS, PACE_BLOCK, PATIENCE_ROUNDS, PATIENCE_SECONDS, PEER_PATIENCE,
+                           PEER_PATIENCE_SECONDS, SPEED_BAND, STALL_ROUNDS, STALL_SHARE, Pacing, PacingStall,
+                           ReplicaReport, block_median, pace_window)
 from tests.helpers import assert_identical_across_ranks, assert_params_equal, this_rank
 from tests.ranks import run_script
 from tests.reference import make_model, params_of
@@ -301,6 +302,22 @@ def test_the_patience() -> None:
     paced.landed(report((0.001, 0.001)))
     assert paced.patience() == PATIENCE_SECONDS
     assert pacing(schedule=(30, 10)).patience() is None  # a schedule's rounds are the recurrence's
+
+
+def test_the_patience_with_auto_sync_every() -> None:
+    """sync_every="auto" (the default): a landing waits for the others' hand-overs PEER_PATIENCE of
+    this replica's inner step (at least PEER_PATIENCE_SECONDS), then the replica goes on stepping
+    (the round waits for the link, not for a peer a little behind); a fixed sync_every waits as
+    long as it takes (its rounds are the recurrence's bit for bit); once paced apart, the plan's."""
+    auto = pacing(every="auto")
+    assert auto.patience() == PEER_PATIENCE_SECONDS  # nothing timed yet
+    auto.step_times.extend([(0.2, False)] * 8)
+    assert auto.patience() == pytest.approx(PEER_PATIENCE * 0.2)
+    assert pacing(every=4).patience() is None
+    assert pacing(every="auto", schedule="lockstep").patience() == PEER_PATIENCE_SECONDS
+    with pytest.warns(UserWarning, match="speed pacing"):
+        auto.landed(report((0.1, 0.35)))
+    assert auto.patience() > PEER_PATIENCE * 0.2  # paced apart: the plan's patience
 
 
 def test_the_stall_bound() -> None:

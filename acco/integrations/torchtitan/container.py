@@ -38,7 +38,7 @@ from acco import AccoOptimizer, Mode
 from acco.elastic import TorchFT
 from acco.integrations.schedules import (UpdateRounds, acco_from_optimizer, check_acco_kwargs, check_micro_batches,
                                          rounds_per_update)
-from acco.options import DEFAULT_OUTER_BITS, DEFAULT_SYNC_EVERY, LOCKSTEP, default_outer
+from acco.options import AUTO, AUTO_EVERY_BOUNDS, DEFAULT_OUTER_BITS, DEFAULT_SYNC_EVERY, LOCKSTEP, default_outer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -93,8 +93,13 @@ class AccoOptimizersContainer(OptimizersContainer):
         timeout_seconds: float = 600.0
         """Limit of each comm-lane collective and wait."""
 
-        sync_every: int = DEFAULT_SYNC_EVERY
-        """mode='local': inner steps between outer rounds."""
+        sync_every: int | Literal["auto"] = DEFAULT_SYNC_EVERY
+        """mode='local': inner steps between outer rounds, or 'auto' (the default): chosen before
+        each round from the measured inner step time and the round's own time, within
+        sync_every_bounds, so that a blocking round costs at most 4% of the time."""
+
+        sync_every_bounds: tuple[int, int] = AUTO_EVERY_BOUNDS
+        """mode='local' with sync_every='auto': the least and the most inner steps per round."""
 
         sync_delay: int = 0
         """mode='local': inner steps from an outer round's launch to its landing (0: blocking DiLoCo)."""
@@ -147,7 +152,10 @@ class AccoOptimizersContainer(OptimizersContainer):
             if mode is Mode.LOCAL:
                 # torchtitan's loop logs, checkpoints and validates with collectives at step
                 # counts: every replica takes sync_every inner steps per outer round.
-                kwargs.update(sync_every=self.sync_every, sync_delay=self.sync_delay, outer_bits=self.outer_bits,
+                every = self.sync_every
+                if every == AUTO:
+                    every = (AUTO, *self.sync_every_bounds)
+                kwargs.update(sync_every=every, sync_delay=self.sync_delay, outer_bits=self.outer_bits,
                               pacing=LOCKSTEP)
                 if self.outer_lr is not None or self.outer_momentum is not None:  # the rest from acco's default
                     outer = default_outer(self.sync_every, elastic=self.elastic).keywords
