@@ -184,7 +184,10 @@ class LocalLoop(Loop):
         """``step()`` waits only when the round in flight must land at its end and has not
         finished yet (a late round never waits)."""
         clock = self.clock
-        return self._round_done() or clock.late or not clock.lands_after(clock.inner_steps + 1, done=False)
+        if clock.late:
+            return self._round_done() or not self.pacing.late_round_due(clock.inner_steps + 1 - clock.late_at,
+                                                                         clock.launches_now(ahead=1))
+        return self._round_done() or not clock.lands_after(clock.inner_steps + 1, done=False)
 
     def _round_done(self) -> bool:
         """Whether the comm lane has finished the round in flight (True: none in flight)."""
@@ -254,8 +257,7 @@ class LocalLoop(Loop):
         :meth:`acco.replicas.Pacing.stall_bound`."""
         clock, round_ = self.clock, self._schedule.in_flight
         if clock.late:
-            # (replicas that launch at the same step counts: a late round lands by the next launch)
-            if round_.future.done() or self.pacing.lands_by_launch and clock.launches_now():
+            if round_.future.done() or self.pacing.late_round_due(clock.inner_steps - clock.late_at, clock.launches_now()):
                 self._land()
             else:
                 self._check_late_stall(round_)
@@ -266,7 +268,7 @@ class LocalLoop(Loop):
         if patience is None or due or self._completes_within(round_, patience):
             self._land()
             return
-        clock.late, clock.late_since = True, time.perf_counter()
+        clock.late, clock.late_since, clock.late_at = True, time.perf_counter(), clock.inner_steps
         if not clock.options.overlaps:  # blocking: no step since the launch, the live parameters are those handed over
             if clock.handed_over is None:
                 clock.handed_over = [group.flat_params() for group in self._groups]
@@ -728,6 +730,7 @@ class LocalClock:
         late: the round in flight passed its landing point while waiting for the other
             replicas' hand-overs, and this replica went on stepping; it lands once complete.
         late_since: when it did (``time.perf_counter()``; not saved).
+        late_at: the inner step it did at.
     """
 
     options: LocalOptions
@@ -742,6 +745,7 @@ class LocalClock:
     offset_every: int = 0
     late: bool = False
     late_since: float = 0.0
+    late_at: int = 0
 
     def __post_init__(self) -> None:
         self.pacing = Pacing(self.options)
@@ -763,8 +767,8 @@ class LocalClock:
             return since > 0 and (done or since >= self.pacing.target)
         return since >= self.options.sync_delay
 
-    def launches_now(self) -> bool:
-        return self.pacing.launches_now(self.inner_steps)
+    def launches_now(self, ahead: int = 0) -> bool:
+        return self.pacing.launches_now(self.inner_steps, ahead)
 
     @property
     def keeps_progress(self) -> bool:
@@ -793,6 +797,7 @@ class LocalClock:
             "offset_steps": self.offset_steps,
             "offset_every": self.offset_every,
             "late": self.late,
+            "late_at": self.late_at,
             **self.pacing.state_dict(),
         }
 
@@ -803,5 +808,6 @@ class LocalClock:
         self.offset_steps = int(saved.get("offset_steps", 0))
         self.offset_every = int(saved.get("offset_every", 0))
         self.late, self.late_since = bool(saved.get("late", False)), time.perf_counter()
+        self.late_at = int(saved.get("late_at", self.inner_steps))
         since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
         self.pacing.load_state_dict(saved, since)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from acco.options import SPEED, LocalOptions, Weighting
 
 __all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
-           "PATIENCE_SECONDS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
+           "PATIENCE_SECONDS", "PEER_LATE_STEPS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
            "block_median", "pace_window", "plan_sync_every"]
 
 _log = logging.getLogger("acco")
@@ -88,6 +88,13 @@ PATIENCE_SECONDS = 0.05
 # round after it, that step's progress kept on the new global values (a late landing, as paced
 # replicas do); the last replica to hand over waits for the round's transfer alone.
 PEER_PATIENCE = 0.05
+# ... and it lands that round after at most PEER_LATE_STEPS inner steps, waiting then if it must:
+# with no bound a replica a little faster than the other never waits, its lead grows round after
+# round to a whole round, and every step it takes is taken from its own parameters, not from the
+# replicas' mean (on 2 CPU ranks at H = 4 the lead reached two steps and the held-out loss lost
+# what the waits gave back). One step absorbs the jitter of equal replicas; a lasting gap is
+# pacing's (SPEED_BAND) or waited for.
+PEER_LATE_STEPS = 1
 PEER_PATIENCE_SECONDS = 0.005  # (at least: the comm lane takes the round up and hears the others' hand-overs)
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
@@ -404,11 +411,12 @@ class Pacing:
         """Launches at multiples of a fixed H (a resumed run finds them from the step count)."""
         return self.lockstep and self.options.auto_every is None
 
-    def launches_now(self, inner_steps: int) -> bool:
-        """Whether this replica's round launches after ``inner_steps`` inner steps."""
+    def launches_now(self, inner_steps: int, ahead: int = 0) -> bool:
+        """Whether this replica's round launches after ``inner_steps`` inner steps (``ahead``:
+        that many more than it has taken, ``ready()``'s look at the next step)."""
         if self._fixed_lockstep:
-            return inner_steps % self.sync_every == 0
-        return self.round_steps >= self.target
+            return (inner_steps + ahead) % self.sync_every == 0
+        return self.round_steps + ahead >= self.target
 
     def steps_to_launch(self, inner_steps: int) -> int:
         """Inner steps this replica takes before its next launch."""
@@ -619,6 +627,12 @@ class Pacing:
         replicas launch at the same step counts (they were never paced apart by speed), so the
         one behind reaches its own launch before this one's next."""
         return not (self.paced_apart and self.options.pacing == SPEED)
+
+    def late_round_due(self, late_steps: int, at_launch: bool) -> bool:
+        """Whether a late round lands now, waiting if it must: after :data:`PEER_LATE_STEPS`
+        inner steps late, or at this replica's next launch, where the replicas launch at the same
+        step counts (:attr:`lands_by_launch`); never while paced apart (it lands when complete)."""
+        return self.lands_by_launch and (at_launch or late_steps >= PEER_LATE_STEPS)
 
     def stall_bound(self, timeout: float) -> float | None:
         """How long a round may wait for the other replicas' hand-overs before

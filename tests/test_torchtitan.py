@@ -464,3 +464,25 @@ def test_outer_lr_alone_keeps_the_rest_of_acco_default(tmp_path: Path, elastic: 
     default = default_outer(config.optimizer.sync_every, elastic=elastic).keywords
     assert outer.keywords["lr"] == 0.8
     assert outer.keywords["momentum"] == default["momentum"] and outer.keywords["nesterov"] == default.get("nesterov", False)
+
+
+@pytest.mark.parametrize("given, expected", [
+    ([], ("auto", 4, 128)),
+    (["--optimizer.sync_every", "auto", "--optimizer.sync_every_bounds", "8", "64"], ("auto", 8, 64)),
+    (["--optimizer.sync_every", "16"], 16),
+], ids=["default", "auto_bounds", "fixed"])
+def test_sync_every_from_the_command_line(given: list[str], expected: Any) -> None:
+    """``--optimizer.sync_every`` takes "auto" (the default, as everywhere local mode runs) with
+    ``--optimizer.sync_every_bounds LO HI``, or an int; what AccoOptimizer is given, checked as it
+    checks it."""
+    from torchtitan.config.manager import ConfigManager
+
+    from acco.options import LocalOptions, Mode
+
+    config = ConfigManager().parse_args(["--module", "acco.integrations.torchtitan", "--config",
+                                         "acco_llama3_debugmodel", "--optimizer.mode", "local", *given])
+    kwargs = config.optimizer.acco_kwargs()
+    assert kwargs["sync_every"] == expected and kwargs["sync_delay"] == 0
+    options = LocalOptions.check(Mode.LOCAL, kwargs["sync_every"], kwargs["sync_delay"], None, None,
+                                 pacing=kwargs["pacing"])
+    assert options.auto_every == (None if isinstance(expected, int) else expected[1:])

@@ -197,9 +197,10 @@ class AccoTrainer(Trainer):
             )
         if acco_accumulate_while_waiting and self.acco_mode is Mode.LOCAL:
             raise ValueError(
-                "Invalid acco_accumulate_while_waiting=True with acco_mode='local': an inner step waits for the link "
-                "only where a fixed sync_delay lands a round that has not arrived; acco_kwargs sync_delay='auto' "
-                "lands each round once it has, so no replica waits"
+                "Invalid acco_accumulate_while_waiting=True with acco_mode='local': an inner step is one update, it "
+                "cannot take more micro-batches while a round is in flight; the default sync_every='auto' keeps the "
+                "wait for blocking rounds under 4% of the time, and acco_kwargs sync_delay='auto' lands each round "
+                "once it has arrived"
             )
         if self.acco_mode is Mode.LOCAL:
             require_lockstep(self.acco_kwargs, (
