@@ -40,7 +40,7 @@ from acco.folding import WeightSum
 from acco.loops import Loop, LoopParts
 from acco.mesh import dtensor_like, is_dtensor, local_tensor
 from acco.module_buffers import BufferSnapshot
-from acco.options import LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
+from acco.options import BLOCK_OR_HIDE, LocalOptions, Mode, NonFinite, Options, Overlap, RoundKind, base_hyperparams
 from acco.portable import full, per_param
 from acco.legs import QuantizedLegs
 from acco.outer_round import FixedRunner, OuterRound
@@ -115,7 +115,7 @@ class LocalLoop(Loop):
         # written by the comm lane's gather leg, read at a launch once the last round has landed;
         # none where that part is the global values themselves (plain averaging: no third leg).
         self.common_terms = None
-        if self.clock.estimates and not local.estimate.common_is_values:
+        if local.overlap is Overlap.ESTIMATE and local.may_overlap and not local.estimate.common_is_values:
             self.common_terms = [local.estimate.common(torch.empty_like(values), values, [], []) for values in self.global_values]
         self.residuals = None
         if local.error_feedback and local.membership is None:
@@ -175,7 +175,7 @@ class LocalLoop(Loop):
             self._land_or_go_on()
         if clock.launches_now() and self._schedule.in_flight is None:  # (a late round lands first)
             self._launch()
-            if not clock.options.overlaps:
+            if not clock.overlaps:
                 self._land_or_go_on()
         self.pacing.check_budget(clock.inner_steps)
         return updated
@@ -219,6 +219,7 @@ class LocalLoop(Loop):
     def _launch(self) -> None:
         """Hand the live parameters to an outer round on the comm lane."""
         clock = self.clock
+        clock.round_delay = self.pacing.delay  # (the default landing: this round's, as the planner chose)
         params = [group.hand_over_params() for group in self._groups]
         if clock.keeps_progress:
             if clock.handed_over is None:
@@ -262,14 +263,14 @@ class LocalLoop(Loop):
             else:
                 self._check_late_stall(round_)
             return
-        patience = self.pacing.patience()
+        patience = self.pacing.patience(blocks=not clock.overlaps)
         # (a round in flight that must land before this replica's next launch waits for it here)
         due = self.pacing.lands_by_launch and clock.launches_now()
         if patience is None or due or self._completes_within(round_, patience):
             self._land()
             return
         clock.late, clock.late_since, clock.late_at = True, time.perf_counter(), clock.inner_steps
-        if not clock.options.overlaps:  # blocking: no step since the launch, the live parameters are those handed over
+        if not clock.overlaps:  # blocking: no step since the launch, the live parameters are those handed over
             if clock.handed_over is None:
                 clock.handed_over = [group.flat_params() for group in self._groups]
             else:
@@ -366,7 +367,7 @@ class LocalLoop(Loop):
         if not stats.replayed:  # (a restored round ran in the saving run: the last time measured stays)
             # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
             # the waits for the other replicas (none yet on CUDA before the device has passed them).
-            self.pacing.round_seconds = sum(s for phase, s in stats.phase_seconds.items() if phase not in _PEER_PHASES)
+            self.pacing.round_timed(sum(s for phase, s in stats.phase_seconds.items() if phase not in _PEER_PHASES))
         every = self.pacing.sync_every  # the landing round's H (the report may choose the next one's)
         self.pacing.landed(getattr(round_, "report", None), stats.index)  # (a restored round: as the state saved it)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
@@ -731,6 +732,8 @@ class LocalClock:
             replicas' hand-overs, and this replica went on stepping; it lands once complete.
         late_since: when it did (``time.perf_counter()``; not saved).
         late_at: the inner step it did at.
+        round_delay: with the default landing, the round in flight's delay, as the planner chose
+            it at its launch.
     """
 
     options: LocalOptions
@@ -746,6 +749,7 @@ class LocalClock:
     late: bool = False
     late_since: float = 0.0
     late_at: int = 0
+    round_delay: int = 0
 
     def __post_init__(self) -> None:
         self.pacing = Pacing(self.options)
@@ -765,17 +769,28 @@ class LocalClock:
         since = steps - self.launched_at
         if self.options.auto_delay:
             return since > 0 and (done or since >= self.pacing.target)
-        return since >= self.options.sync_delay
+        return since >= self.delay
 
     def launches_now(self, ahead: int = 0) -> bool:
         return self.pacing.launches_now(self.inner_steps, ahead)
+
+    @property
+    def delay(self) -> int | str:
+        """The round in flight's (or the next one's) landing: ``sync_delay``, or with the
+        default landing the planner's for it (0, or 1: a step after its launch)."""
+        return self.round_delay if self.options.landing == BLOCK_OR_HIDE else self.options.sync_delay
+
+    @property
+    def overlaps(self) -> bool:
+        """Inner steps run while the round in flight is (it does not block)."""
+        return self.delay != 0
 
     @property
     def keeps_progress(self) -> bool:
         """Whether a landing adds the progress made since the launch to the new global values:
         the overlap rule's (``"keep"``, ``"estimate"``), and a blocking round's that lands late
         (every inner step counts once)."""
-        if self.options.overlaps:
+        if self.overlaps:
             return self.options.overlap in (Overlap.KEEP, Overlap.ESTIMATE)
         return self.late
 
@@ -783,7 +798,7 @@ class LocalClock:
     def estimates(self) -> bool:
         """Whether a launch moves the replica to its estimate of the outer step (``handed_over``
         then holds that start, not the parameters handed)."""
-        return self.options.overlap is Overlap.ESTIMATE and self.options.overlaps
+        return self.options.overlap is Overlap.ESTIMATE and self.overlaps
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and the pacing's state (``handed_over`` is the optimizer's to save, per
@@ -798,6 +813,7 @@ class LocalClock:
             "offset_every": self.offset_every,
             "late": self.late,
             "late_at": self.late_at,
+            "round_delay": self.round_delay,
             **self.pacing.state_dict(),
         }
 
@@ -809,5 +825,6 @@ class LocalClock:
         self.offset_every = int(saved.get("offset_every", 0))
         self.late, self.late_since = bool(saved.get("late", False)), time.perf_counter()
         self.late_at = int(saved.get("late_at", self.inner_steps))
+        self.round_delay = int(saved.get("round_delay", 0))
         since = self.inner_steps % self.options.sync_every if self.launched_at is None else self.inner_steps - self.launched_at
         self.pacing.load_state_dict(saved, since)

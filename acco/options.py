@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK", "BLOCK_OR_HIDE", "FIT", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -136,16 +136,20 @@ def default_outer(sync_every: int | str, elastic: bool = False) -> functools.par
 
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
 # the comm lane has finished it (at the latest sync_every steps after its launch), "half"
-# sync_every // 2 inner steps after its launch. Blocking is the default, with sync_every="auto"
-# bounding its wait: a round in flight costs loss per inner step at every H measured (at H = 4 on
-# an unlimited link, 2.3-3.7% at equal steps: the inner steps a replica takes while it lands are
-# taken from its own parameters, not the replicas' mean), more than the 4% of wall time the
-# planner leaves a blocking round (docs/loops.md, "Local steps that never wait"). With a delay the default rule is "estimate"
-# (each replica starts from its own estimate of the outer step and keeps every step), or
-# "discard" with an outer optimizer that has no linear split. Typed, so a configurator can
-# override them.
+# sync_every // 2 inner steps after its launch, an int that many. The default (None) is chosen
+# with H: with sync_every="auto" each round blocks where that costs at most 4% of the wall time and
+# lands one inner step after its launch where hiding behind that step lets H stay smaller
+# (acco.replicas.plan_sync_every; docs/loops.md, "Local steps that never wait"); with a fixed
+# sync_every it blocks, the recurrence bit for bit. Elastic replica groups (membership=) block:
+# a dropped round or a heal rewrites a replica's parameters on the comm lane. With a delay the
+# default rule is "estimate" (each replica starts from its own estimate of the outer step and keeps
+# every step), or "discard" with an outer optimizer that has no linear split. Typed, so a
+# configurator can override them.
 AUTO, HALF = "auto", "half"
-DEFAULT_SYNC_DELAY = 0
+DEFAULT_SYNC_DELAY = None
+# How sync_every="auto" lands rounds (acco.replicas.plan_sync_every): each blocking or a step late
+# (the default sync_delay), blocking (sync_delay=0), once done (sync_delay="auto").
+BLOCK_OR_HIDE, BLOCK, FIT = "block-or-hide", "block", "fit"
 DEFAULT_OVERLAP = "estimate"
 # Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"): 4 measured as
 # fp32 at equal inner steps and on an unlimited link, and ahead behind 20 and 50 Mbit/s
@@ -195,6 +199,10 @@ class LocalOptions:
             :class:`acco.elastic.TorchFT`), or None: every replica of the process group.
         auto_every: with ``sync_every="auto"``, the bounds (lo, hi) H is chosen in
             (``sync_every`` is then the first round's, lo); None: a fixed ``sync_every``.
+        landing: with ``sync_every="auto"``, how the planner lands rounds
+            (:func:`acco.replicas.plan_sync_every`): ``"block-or-hide"`` (the default
+            ``sync_delay``: each round blocks or lands one step late, ``sync_delay`` then
+            holding 0), ``"block"`` (``sync_delay=0``) or ``"fit"`` (``sync_delay="auto"``).
     """
 
     sync_every: int
@@ -210,6 +218,7 @@ class LocalOptions:
     outer_hyperparams: tuple[tuple[str, Any], ...] = ()
     membership: Any = None
     auto_every: tuple[int, int] | None = None
+    landing: str = BLOCK
 
     def describe(self) -> list[str]:
         """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
@@ -218,7 +227,8 @@ class LocalOptions:
         return [
             f"sync_every: {self.sync_every}" if self.auto_every is None else
             f"sync_every: auto ({self.auto_every[0]}-{self.auto_every[1]}, from {self.sync_every})",
-            f"sync_delay: {self.sync_delay}",
+            f"sync_delay: {self.sync_delay}" if self.landing != BLOCK_OR_HIDE else
+            "sync_delay: chosen with sync_every (0, or 1 where a round hides behind a step)",
             f"overlap: {self.overlap.value}",
             f"outer_optimizer: {self.outer_class.__name__}({outer})",
             f"outer_bits: {self.outer_bits}",
@@ -240,8 +250,14 @@ class LocalOptions:
 
     @property
     def overlaps(self) -> bool:
-        """Inner steps may run while a round is in flight (every ``sync_delay`` but 0)."""
+        """Inner steps run while every round is in flight (every ``sync_delay`` but 0)."""
         return self.sync_delay != 0
+
+    @property
+    def may_overlap(self) -> bool:
+        """Inner steps may run while a round is in flight: every round, or those the planner
+        lands a step late (the default landing)."""
+        return self.overlaps or self.landing == BLOCK_OR_HIDE
 
     @property
     def lockstep(self) -> bool:
@@ -259,7 +275,7 @@ class LocalOptions:
         if mode is not Mode.LOCAL:
             return None
         every, auto_every = _check_sync_every(DEFAULT_SYNC_EVERY if sync_every is None else sync_every)
-        delay = DEFAULT_SYNC_DELAY if sync_delay is None else sync_delay
+        delay = 0 if sync_delay is None else sync_delay  # (the default: blocking, or chosen with H below)
         if auto_every is not None and delay not in (0, AUTO):
             raise ValueError(f"Invalid sync_delay with sync_every='auto' (the default): {sync_delay!r} (0 or \"auto\": "
                              "a fixed number of steps in flight would not follow H; give an int sync_every for it)")  # fmt: skip
@@ -315,8 +331,13 @@ class LocalOptions:
         if membership is not None:
             _check_membership(membership, delay, paced, int(outer_bits), type(probe))
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
+        landing = BLOCK
+        if auto_every is not None and delay == AUTO:
+            landing = FIT
+        elif auto_every is not None and sync_delay is None and membership is None and estimate is not None:
+            landing = BLOCK_OR_HIDE  # (a round a step late keeps that step: the estimate rule's)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
-                   weighting, shown, membership, auto_every)  # fmt: skip
+                   weighting, shown, membership, auto_every, landing)  # fmt: skip
 
 
 def _check_sync_every(sync_every: Any) -> tuple[int, tuple[int, int] | None]:
@@ -472,7 +493,8 @@ class Options:
 
     def fingerprint(self) -> str:
         """What every rank must have chosen alike, as text (checked at start-up)."""
-        local = self.local and (self.local.sync_every, self.local.auto_every, self.local.sync_delay, self.local.overlap.value,
+        local = self.local and (self.local.sync_every, self.local.auto_every, self.local.sync_delay, self.local.landing,
+                                self.local.overlap.value,
                                 self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback,
                                 self.local.pacing, self.local.outer_weighting.value)  # fmt: skip
         return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from acco.options import SPEED, LocalOptions, Weighting
+from acco.options import BLOCK, BLOCK_OR_HIDE, FIT, SPEED, LocalOptions, Weighting
 
-__all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS",
+__all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HIDDEN_STEPS", "HandOver", "ROUND_WINDOW", "PACE_BLOCK", "PATIENCE_ROUNDS",
            "PATIENCE_SECONDS", "PEER_LATE_STEPS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
            "block_median", "pace_window", "plan_sync_every"]
 
@@ -98,76 +98,113 @@ PEER_LATE_STEPS = 1
 PEER_PATIENCE_SECONDS = 0.005  # (at least: the comm lane takes the round up and hears the others' hand-overs)
 STALL_ROUNDS = 4.0
 STALL_SHARE = 0.1
-# sync_every="auto" (the default): H is chosen at each landing from the replicas' paces and the
-# round's own time T (its transfer and reduction: the wait for the other replicas' hand-overs left
-# out, which no H amortises and pacing is for). Blocking rounds (the default): the smallest H for
-# which the wait T is at most AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.04.
-# Time to loss on 2 CPU ranks (docs/loops.md, "Local steps that never wait"): per inner step a
-# blocking round every 4 steps is the best there is at these sizes, but behind 20 Mbit/s it waited
-# 23-32% of the time; the old share (T <= 0.2 H t, up to a sixth of the time waiting) chose H of 6-8
-# there and still waited 10%. A round in flight (sync_delay="auto") must fit behind its H steps:
-# T <= H t.
-# H rises at once when the measures ask for more (its wait is over the budget), at most AUTO_GROWTH
+# sync_every="auto" (the default): H is chosen at each landing from the replicas' paces t and the
+# round's own time T (its transfer and reduction: the waits for the other replicas left out, which
+# no H amortises and pacing is for), with when the round lands (the default sync_delay, None):
+# - blocking (sync_delay 0), where a round is cheap: the smallest H for which the wait T is at most
+#   AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.04;
+# - one inner step after its launch (HIDDEN_STEPS), where that H would be larger than the H at
+#   which the round's excess over a step, max(0, T - t), costs that share: the round hides behind
+#   a step (each replica takes it from its own estimate of the outer step, the estimate rule), H
+#   grows only for what a step does not hide.
+# Measured on 2 CPU ranks (docs/loops.md, "Local steps that never wait"): blocking every 4 steps is
+# the best per inner step there is at these sizes (0.47% above data-parallel at equal tokens), but
+# behind 20 Mbit/s it waited 23-27% of the time, and on an unlimited link 6-8% (the round's 4-bit
+# encoding and decoding); blocking at the H that waits 4% behind 20 Mbit/s (about 30) trained
+# 4-5% worse per step; a round landing one step late cost 0.6% at H = 4 (+1.10% against +0.47%),
+# less than blocking at H = 8 (+1.96%) and in flight until it is done (+2.2%: the replicas drift
+# apart in phase, and the steps in flight grow to most of a round).
+# With sync_delay=0 the blocking rule alone; with sync_delay="auto" (a round lands once done) the
+# smallest H it fits behind, T <= H t.
+# H rises at once when the measures ask for more (the wait is over the budget), at most AUTO_GROWTH
 # times from one round to the next (one round slowed by something else does not take H to the
 # upper bound), and falls only when the choice is below H / AUTO_HYSTERESIS (noise in the measures
 # does not make it flap).
 AUTO_WAIT_SHARE = 0.04
 AUTO_GROWTH = 2
 AUTO_HYSTERESIS = 1.25
+HIDDEN_STEPS = 1
+# A replica reports the median of its last ROUND_WINDOW rounds' own times: on 2 shared cores a
+# round's encoding and decoding ran 0.04-0.1 s round to round beside the replica's own steps, and
+# H followed each one (4 to 12 on an unlimited link). The first round a process lands is not
+# timed: it makes the comm lane's connections (1.3 s on an unlimited link here, against 0.03 s).
+ROUND_WINDOW = 5
 
 
 @dataclass(frozen=True)
 class EveryChoice:
-    """Why an outer round has its H (``sync_every="auto"``): what the planner chose it from,
-    as :attr:`acco.RoundStats.sync_every_choice` shows it.
+    """Why an outer round has its H and its landing (``sync_every="auto"``): what the planner
+    chose them from, as :attr:`acco.RoundStats.sync_every_choice` shows it.
 
     Attributes:
         sync_every: the H chosen.
+        sync_delay: with the default landing, the inner steps from the round's launch to its
+            landing (0: blocking; 1: it hides behind a step); 0 otherwise (the options' hold).
         needed: the H the measures ask for, before the bounds, the growth cap and the
             hysteresis (nan: not measured yet, the H stays).
         step_seconds: the fastest replica's seconds per inner step, from the report.
         round_seconds: the slowest round's own time any replica measured (transfer and
             reduction), from the report.
-        blocking: the rule for blocking rounds (``T <= s / (1 - s) H t``, ``s`` =
-            :data:`AUTO_WAIT_SHARE`), or for rounds landing in flight (``T <= H t``).
+        rule: ``"block-or-hide"`` (the default landing), ``"block"`` (``sync_delay=0``:
+            ``T <= s / (1 - s) H t``, ``s`` = :data:`AUTO_WAIT_SHARE`) or ``"fit"``
+            (``sync_delay="auto"``: ``T <= H t``).
         report_round: the index of the landed round whose report the choice came from (-1:
             none, the first rounds run the lower bound).
     """
 
     sync_every: int
+    sync_delay: int = 0
     needed: float = math.nan
     step_seconds: float = 0.0
     round_seconds: float = 0.0
-    blocking: bool = True
+    rule: str = BLOCK
     report_round: int = -1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "needed": self.needed, "step_seconds": self.step_seconds,
-                "round_seconds": self.round_seconds, "blocking": self.blocking, "report_round": self.report_round}
+        return {"sync_every": self.sync_every, "sync_delay": self.sync_delay, "needed": self.needed,
+                "step_seconds": self.step_seconds, "round_seconds": self.round_seconds, "rule": self.rule,
+                "report_round": self.report_round}
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> EveryChoice:
-        return cls(int(saved["sync_every"]), float(saved["needed"]), float(saved["step_seconds"]),
-                   float(saved["round_seconds"]), bool(saved["blocking"]), int(saved["report_round"]))
+        return cls(int(saved["sync_every"]), int(saved.get("sync_delay", 0)), float(saved["needed"]),
+                   float(saved["step_seconds"]), float(saved["round_seconds"]), str(saved.get("rule", BLOCK)),
+                   int(saved["report_round"]))
 
 
 def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, round_seconds: float,
-                    blocking: bool, report_round: int = -1) -> EveryChoice:
-    """The next round's H for ``sync_every="auto"``: the smallest H in ``bounds`` for which a
-    blocking round of ``round_seconds`` (its own transfer and reduction) takes at most
-    :data:`AUTO_WAIT_SHARE` of the time of H inner steps of ``step_seconds`` and itself, or, when
-    it lands in flight, fits behind them; above ``current`` at most :data:`AUTO_GROWTH` times it,
-    below it only past :data:`AUTO_HYSTERESIS`; ``current`` while either measure is missing."""
+                    rule: str = BLOCK, report_round: int = -1, current_delay: int = 0) -> EveryChoice:
+    """The next rounds' H (and, by ``rule``, landing) for ``sync_every="auto"``: the smallest H
+    in ``bounds`` for which a blocking round of ``round_seconds`` (its own transfer and
+    reduction) takes at most :data:`AUTO_WAIT_SHARE` of the time of H inner steps of
+    ``step_seconds`` and itself (``"block"``); or that, or a round landing
+    :data:`HIDDEN_STEPS` later whose excess over them takes that share, whichever H is smaller
+    (``"block-or-hide"``, blocking on a tie); or the smallest H a round in flight fits behind
+    (``"fit"``). Above ``current`` at most :data:`AUTO_GROWTH` times it, below it only past
+    :data:`AUTO_HYSTERESIS`; ``current`` (and ``current_delay``) while either measure is missing."""
     if not step_seconds > 0 or not round_seconds > 0:
-        return EveryChoice(current, math.nan, step_seconds, round_seconds, blocking, report_round)
-    ratio = (1.0 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE if blocking else 1.0
-    needed = round_seconds / step_seconds * ratio
-    chosen = min(max(math.ceil(needed - 1e-9), bounds[0]), bounds[1])  # (no step for a rounding error)
+        delay = current_delay if rule == BLOCK_OR_HIDE else 0
+        return EveryChoice(current, delay, math.nan, step_seconds, round_seconds, rule, report_round)
+    ratio = (1.0 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE
+
+    def smallest(needed: float) -> int:  # (the lower bound, not the upper: past it, the smaller wait wins)
+        return max(math.ceil(needed - 1e-9), bounds[0])  # (no step for a rounding error)
+
+    delay = 0
+    if rule == FIT:
+        needed = round_seconds / step_seconds
+    else:
+        needed = round_seconds / step_seconds * ratio
+        if rule == BLOCK_OR_HIDE:
+            hidden = max(0.0, round_seconds - HIDDEN_STEPS * step_seconds) / step_seconds * ratio
+            if smallest(hidden) < smallest(needed):
+                needed, delay = hidden, HIDDEN_STEPS
+    chosen = min(smallest(needed), bounds[1])
     if chosen > current:
         chosen = min(chosen, AUTO_GROWTH * current)
     elif chosen >= current / AUTO_HYSTERESIS:
         chosen = current
-    return EveryChoice(chosen, needed, step_seconds, round_seconds, blocking, report_round)
+    return EveryChoice(chosen, delay, needed, step_seconds, round_seconds, rule, report_round)
 
 
 def pace_window(sync_every: int) -> int:
@@ -205,8 +242,9 @@ class HandOver:
         step_seconds: its seconds per inner step (:meth:`Pacing.pace`; 0: not measured).
         stop: it asks every replica to stop (``request_stop()``) at this round.
         finishing: the round is its last (``finish()``).
-        round_seconds: the last round it landed, as its comm lane timed it: transfer and
-            reduction, the wait for the others' hand-overs left out (0: none measured).
+        round_seconds: its last rounds' own time, as its comm lane timed them (the median of
+            the last :data:`ROUND_WINDOW`): transfer and reduction, the waits for the other
+            replicas left out (0: none measured).
     """
 
     steps: int
@@ -310,19 +348,25 @@ class Pacing:
             deadline on ``time.perf_counter()``), None: none.
         sync_every: H, the fastest replica's inner steps per round: ``options.sync_every``, or
             with ``sync_every="auto"`` the last landed report's choice (:func:`plan_sync_every`).
-        round_seconds: the last round this replica landed, its comm lane's own time (what its
-            next hand-over reports).
+        round_seconds: the median own time of the last :data:`ROUND_WINDOW` rounds this
+            replica landed, as its comm lane timed them (what its next hand-over reports).
+        round_times: those times.
         next_every: the H a landed report chose, taken at the next launch (a round may land
             mid-way through the steps of the next, at a different step on each replica: the
             steps a launch covers keep the H they started with, on every replica alike).
         choice / next_choice: why ``sync_every`` / ``next_every`` are what they are
             (:class:`EveryChoice`; None: not chosen by the planner).
+        delay: the landing of the rounds launched from now on, in inner steps after the launch,
+            with the default landing (``"block-or-hide"``: 0 or :data:`HIDDEN_STEPS`; until the
+            planner has measured, :data:`HIDDEN_STEPS`); ``options.sync_delay`` otherwise.
     """
 
     options: LocalOptions
     sync_every: int = 0
     round_seconds: float = 0.0
+    round_times: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=ROUND_WINDOW))
     next_every: int = 0
+    delay: int = -1
     choice: EveryChoice | None = None
     next_choice: EveryChoice | None = None
     replica: int = 0
@@ -360,6 +404,8 @@ class Pacing:
 
     def __post_init__(self) -> None:
         self.sync_every = self.sync_every or self.options.sync_every
+        if self.delay < 0:
+            self.delay = HIDDEN_STEPS if self.options.landing == BLOCK_OR_HIDE else self.options.sync_delay
         self.next_every = self.next_every or self.sync_every
         if not self.plan:
             self.plan = self.first_plan()
@@ -481,17 +527,30 @@ class Pacing:
         self.round_pace = self.seconds_per_step(now) or self.round_pace
         self.busy_since, self.waited, self.timed_steps = now, 0.0, 0
         self.round_steps, self.round_weight = 0, 0.0
+        self._take_next()  # (sync_delay="auto": a round lands at another step on each replica: from the launch)
+        return report
+
+    def _take_next(self) -> None:
+        """The planner's last choice from here on (``sync_every="auto"``): H for the steps from
+        now, and the landing of the rounds launched from now."""
         self.choice = self.next_choice or self.choice
-        if self.next_every != self.sync_every:  # sync_every="auto": the steps from here on take the new H
+        if self.next_choice is not None and self.options.landing == BLOCK_OR_HIDE:
+            self.delay = self.next_choice.sync_delay
+        if self.next_every != self.sync_every:
             self.sync_every = self.next_every
             self.plan = [self.sync_every] * len(self.plan) if len(set(self.plan)) == 1 or self.last_report is None \
                 else self.speed_plan(self.last_report)
-        return report
+
+    def round_timed(self, seconds: float) -> None:
+        """A round this replica landed took ``seconds`` of its comm lane's own time: what its
+        next hand-over reports, as the median of the last :data:`ROUND_WINDOW`."""
+        self.round_times.append(seconds)
+        self.round_seconds = statistics.median(self.round_times)
 
     def every_state(self) -> dict[str, Any]:
         """The H of the steps from here on and the H the next launch takes, with why (what a
         restarted elastic replica group takes from a peer, so it steps its rounds as they do)."""
-        return {"sync_every": self.sync_every, "next_every": self.next_every,
+        return {"sync_every": self.sync_every, "next_every": self.next_every, "delay": self.delay,
                 "choice": None if self.choice is None else self.choice.as_dict(),
                 "next_choice": None if self.next_choice is None else self.next_choice.as_dict()}
 
@@ -499,6 +558,7 @@ class Pacing:
         """A peer's :meth:`every_state` (an equal plan follows the new H)."""
         equal = len(set(self.plan)) == 1
         self.sync_every, self.next_every = int(saved["sync_every"]), int(saved["next_every"])
+        self.delay = saved.get("delay", self.delay)
         choice, next_choice = saved.get("choice"), saved.get("next_choice")
         self.choice = None if choice is None else EveryChoice.from_dict(choice)
         self.next_choice = None if next_choice is None else EveryChoice.from_dict(next_choice)
@@ -538,9 +598,13 @@ class Pacing:
             # The fastest replica's pace (it takes H steps), the slowest round time anyone measured.
             paces = [s for s in report.step_seconds if s > 0]
             self.next_choice = plan_sync_every(self.next_every, bounds, min(paces) if paces else 0.0,
-                                               max(report.round_seconds, default=0.0),
-                                               blocking=self.options.sync_delay == 0, report_round=index)
+                                               max(report.round_seconds, default=0.0), self.options.landing, index,
+                                               self.delay)  # fmt: skip
             self.next_every = self.next_choice.sync_every
+            if self.options.landing != FIT:
+                # Every replica lands this round at the same step of the next (at its launch, or
+                # HIDDEN_STEPS after it): the steps since take the new H and the next launch its landing.
+                self._take_next()
         if self.options.pacing == SPEED:
             plan = self.speed_plan(report)
             self.gap_reports = self.gap_reports + 1 if len(set(plan)) > 1 else 0
@@ -592,20 +656,21 @@ class Pacing:
         _log.warning(message)
         warnings.warn(message, UserWarning, stacklevel=2)
 
-    def patience(self) -> float | None:
+    def patience(self, blocks: bool = True) -> float | None:
         """How long a landing waits for the other replicas' hand-overs before this replica goes
         on taking inner steps (the round lands once it completes): the longest planned round less
         its own and :data:`PATIENCE_ROUNDS` of the longest more, at the last report's paces (at
         least :data:`PATIENCE_SECONDS`), once speed pacing gave the replicas
         different plans (their launches are no longer at the same step counts, even where their
-        plans are equal again); with ``sync_every="auto"`` otherwise :data:`PEER_PATIENCE` of an
-        inner step at this replica's pace (a round waits for the link, not for a peer a little
-        behind); None (as long as it takes) with a fixed ``sync_every``, where every replica
-        reaches every step count with the others and the rounds are the recurrence's bit for bit."""
+        plans are equal again); with ``sync_every="auto"`` otherwise, for a round that ``blocks``,
+        :data:`PEER_PATIENCE` of an inner step at this replica's pace (a round waits for the
+        link, not for a peer a little behind; one landing a step late has had that step); None
+        (as long as it takes) with a fixed ``sync_every``, where every replica reaches every step
+        count with the others and the rounds are the recurrence's bit for bit."""
         if not self.lands_late:
             return None
         if not self.paced_apart or self.options.pacing != SPEED:
-            if not self.may_land_late:
+            if not self.may_land_late or not blocks:
                 return None
             return max(PEER_PATIENCE * self.pace(), PEER_PATIENCE_SECONDS)
         seconds = self.last_report.step_seconds if self.last_report is not None else ()
@@ -713,6 +778,7 @@ class Pacing:
         return {
             **self.every_state(),
             "round_seconds": self.round_seconds,
+            "round_times": list(self.round_times),
             "plan": list(self.plan),
             "hand_over_steps": self.round_steps,
             "hand_over_weight": self.round_weight,
@@ -731,6 +797,8 @@ class Pacing:
         self.load_every_state({"sync_every": every, "next_every": saved.get("next_every", every),
                                "choice": saved.get("choice"), "next_choice": saved.get("next_choice")})
         self.round_seconds = float(saved.get("round_seconds", 0.0))
+        self.round_times.clear()
+        self.round_times.extend(float(t) for t in saved.get("round_times", [self.round_seconds] if self.round_seconds else []))
         plan = saved.get("plan")
         self.plan = list(plan) if plan is not None and len(plan) == self.replicas else self.first_plan()
         self.round_steps = int(saved.get("hand_over_steps", round_steps))

@@ -419,21 +419,23 @@ def round_seconds(parameters: float, replicas: int, link_gbit: float, bits: int 
 
 
 def chosen_every(step_seconds: float, round_time: float, bounds: tuple[int, int] = acco.options.AUTO_EVERY_BOUNDS,
-                 rounds: int = 32) -> int:
-    """The H the default (``sync_every="auto"``, blocking) settles on for these measures: the
-    library's own planner, from the lower bound, round after round until it stops moving."""
-    every = bounds[0]
+                 rounds: int = 32) -> tuple[int, int]:
+    """The H and the landing (steps after the launch) the default settles on for these
+    measures: the library's own planner (the default landing), from the lower bound, round
+    after round until it stops moving."""
+    every, delay = bounds[0], acco.replicas.HIDDEN_STEPS
     for _ in range(rounds):
-        chosen = acco.replicas.plan_sync_every(every, bounds, step_seconds, round_time, blocking=True).sync_every
-        if chosen == every:
+        choice = acco.replicas.plan_sync_every(every, bounds, step_seconds, round_time, acco.options.BLOCK_OR_HIDE,
+                                               current_delay=delay)  # fmt: skip
+        if (choice.sync_every, choice.sync_delay) == (every, delay):
             break
-        every = chosen
-    return every
+        every, delay = choice.sync_every, choice.sync_delay
+    return every, delay
 
 
 def projection() -> str:
-    """docs/loops.md's projection: the H the default chooses and the share of the wall time a
-    replica then waits for rounds, T / (H t + T), for 1B and 8B parameters, 2 and 8 replicas, at
+    """docs/loops.md's projection: the H and landing the default chooses and the share of the
+    wall time a replica then waits for rounds, for 1B and 8B parameters, 2 and 8 replicas, at
     1, 10 and 100 Gbit/s."""
     rows = []
     for parameters, step in PROJECTED:
@@ -441,20 +443,23 @@ def projection() -> str:
             cells = []
             for gbit in PROJECTED_LINKS_GBIT:
                 t_round = round_seconds(parameters, replicas, gbit)
-                every = chosen_every(step, t_round)
-                blocked_at_4 = t_round / (4 * step + t_round)
-                cells.append(f"T {t_round:.3g} s: H = {every}, waits {100 * t_round / (every * step + t_round):.1f}% "
-                             f"(H = 4: {100 * blocked_at_4:.0f}%)")
+                every, delay = chosen_every(step, t_round)
+                waited = max(0.0, t_round - delay * step)
+                landing = "blocking" if delay == 0 else f"{delay} step late"
+                cells.append(f"T {t_round:.3g} s: H = {every}, {landing}, waits "
+                             f"{100 * waited / (every * step + waited):.1f}% "
+                             f"(blocking H = 4: {100 * t_round / (4 * step + t_round):.0f}%)")
             sent = 2 * (replicas - 1) / replicas * parameters * 4 * WIRE_SHARE[4] / 1e9
             rows.append([f"{parameters / 1e9:g}B", str(replicas), f"{step:.3g} s", f"{sent:.2f} GB", *cells])
     bounds = acco.options.AUTO_EVERY_BOUNDS
-    return ("What the default (`sync_every=\"auto\"` between "
-            f"{bounds[0]} and {bounds[1]}, blocking 4-bit rounds) chooses, by the library's own planner "
-            "(`acco.replicas.plan_sync_every`, run round after round until H stops moving: `local_quality.chosen_every`), "
-            "and the share of the wall time a replica then waits for rounds, `T / (H t + T)`, beside blocking at "
-            "H = 4. T: a round's bytes per replica (a ring reduce-scatter and all-gather of the model at 4 bits, "
-            "0.134 of fp32's bytes) over the link, latency left out; t: an inner step, 1.9 s for 1B parameters on "
-            "a replica of 8 H100s, 8 times that for 8B on the same replica:\n\n"
+    return ("What the defaults (`sync_every=\"auto\"` between "
+            f"{bounds[0]} and {bounds[1]}, the default landing, 4-bit rounds) choose, by the library's own planner "
+            "(`acco.replicas.plan_sync_every`, run round after round until it stops moving: "
+            "`local_quality.chosen_every`), and the share of the wall time a replica then waits for rounds, "
+            "`max(0, T - d t) / (H t + max(0, T - d t))` for a round landing `d` steps after its launch, beside blocking "
+            "at H = 4. T: a round's bytes per replica (a ring reduce-scatter and all-gather of the model at 4 bits, "
+            "0.134 of fp32's bytes) over the link, latency and the codec's own time left out; t: an inner step, "
+            "1.9 s for 1B parameters on a replica of 8 H100s, 8 times that for 8B on the same replica:\n\n"
             + common.md_table(["parameters", "replicas", "inner step t", "sent per round and replica",
                                *(f"{g} Gbit/s" for g in PROJECTED_LINKS_GBIT)], rows))
 

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     add = parser.add_argument
     add("out", type=Path)
     add("--width", type=int, default=512)
-    add("--sleep", type=float, default=0.02)
+    add("--sleep", type=float, default=0.05)
     add("--bounds", type=int, nargs=2, default=[2, 128])
     add("--rounds-after", type=int, default=5)
     args = parser.parse_args(argv)
