@@ -133,6 +133,7 @@ class LocalLoop(Loop):
         self.pacing.lands_late = self.lane_work.lands_late
         self.pacing.join(self.lane_work.replica, self.lane_work.replicas)
         self._evaluating = False  # eval() put the global values in the model (step() refuses meanwhile)
+        self._rounds_landed_here = 0  # (this process's: the first one's time is not the link's)
         if local.membership is not None:
             # The join: a first round with nothing to hand over (torchft forms its quorum with the
             # replica groups alive; a group behind them, e.g. restarted, takes a peer's state in it:
@@ -364,10 +365,13 @@ class LocalLoop(Loop):
             clock.launched_at = None
             return False
         self.pacing.seat(self.lane_work.replica, self.lane_work.replicas)  # elastic replicas: this round's
-        if not stats.replayed:  # (a restored round ran in the saving run: the last time measured stays)
+        if not stats.replayed and self._rounds_landed_here:
             # The round's own time, what the next hand-over reports (sync_every="auto"): its phases but
             # the waits for the other replicas (none yet on CUDA before the device has passed them).
+            # Not the first round this process lands (it makes the comm lane's connections), nor a
+            # restored one (it ran in the saving run: the last times measured stay).
             self.pacing.round_timed(sum(s for phase, s in stats.phase_seconds.items() if phase not in _PEER_PHASES))
+        self._rounds_landed_here += 1
         every = self.pacing.sync_every  # the landing round's H (the report may choose the next one's)
         self.pacing.landed(getattr(round_, "report", None), stats.index)  # (a restored round: as the state saved it)
         # (No inner step since the launch: the new global values themselves, bit for bit.)
