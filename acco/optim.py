@@ -173,16 +173,17 @@ class AccoOptimizer(torch.optim.Optimizer):
         sync_every: ``local`` only: ``"auto"`` (the default, bounds 4-128) or ``("auto", lo,
             hi)``: inner steps between outer rounds chosen before each round from the measured
             inner step time and the round's own time (:func:`acco.replicas.plan_sync_every`), the
-            same on every replica, starting at ``lo``: the smallest H for which a blocking round
-            takes at most 4% of the wall time (on a fast link 4), and a round waits for the link,
-            not for a replica a little behind (that one lands it late, its next step kept); or an
-            int, a fixed H (bit-for-bit reproducible).
-        sync_delay: ``local`` only: when an outer round lands: 0 (default) at once, blocking
-            DiLoCo; ``"auto"`` at the first inner step at which the comm lane has finished it
-            (at the latest ``sync_every`` steps after its launch, waiting then if it must: for
-            links where a round takes a good share of ``sync_every`` inner steps); or after a
-            fixed number of inner steps in ``[0, sync_every]`` or ``"half"`` (bit-for-bit
-            reproducible).
+            same on every replica, starting at ``lo``, so that waiting for rounds costs at most 3%
+            of the wall time (on a fast link 4); or an int, a fixed H (bit-for-bit reproducible).
+        sync_delay: ``local`` only: when an outer round lands. The default (None): with
+            ``sync_every="auto"`` chosen with H each round, at once (blocking) where that costs
+            at most 3% of the time, else one inner step after its launch (the round hides behind
+            that step, kept by the estimate rule), a blocking round waiting for the link and not
+            for a replica a little behind (that one lands it a step late); with a fixed
+            ``sync_every``, or elastic groups, 0: blocking DiLoCo. ``"auto"``: at the first inner
+            step at which the comm lane has finished it (at the latest ``sync_every`` steps after
+            its launch, waiting then if it must); or after a fixed number of inner steps in
+            ``[0, sync_every]`` or ``"half"`` (bit-for-bit reproducible).
         outer_optimizer: ``local`` only: the outer optimizer, a class or a partial of one
             (default :func:`acco.default_outer`: ``partial(SGD, lr=1.0, momentum=0.0)``,
             measured against data-parallel at ``sync_every`` 4-30; with ``membership=``,
@@ -265,7 +266,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         buffers: BufferPolicy | str | None = BufferPolicy.BROADCAST,
         module: nn.Module | None = None,
         sync_every: int | str | tuple[str, int, int] = DEFAULT_SYNC_EVERY,
-        sync_delay: int | str = DEFAULT_SYNC_DELAY,
+        sync_delay: int | str | None = DEFAULT_SYNC_DELAY,
         outer_optimizer: Any = None,
         overlap: str | None = None,
         outer_bits: int = DEFAULT_OUTER_BITS,

@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, check_estimate_dtype
 
-__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK", "BLOCK_OR_HIDE", "FIT", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK_OR_HIDE", "FIT", "FIXED", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -117,7 +117,7 @@ DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
 # with this one -0.1% to +0.6% (docs/elastic.md, "Recovery, measured").
 DEFAULT_ELASTIC_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
 # sync_every="auto", the default (acco.replicas.plan_sync_every): H is chosen at each landing from the
-# measured inner step time and the round's own time, so that a blocking round costs at most 4% of
+# measured inner step time and the round's own time, so that waiting for rounds costs at most 3% of
 # the wall time, within these bounds unless given ("auto", lo, hi). The first rounds run the lower
 # bound: measured quickly, and 4 is the H the outer step was chosen at against data-parallel (on a
 # link whose rounds cost less than that, H stays 4). Measured against fixed H at equal time behind
@@ -137,7 +137,7 @@ def default_outer(sync_every: int | str, elastic: bool = False) -> functools.par
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
 # the comm lane has finished it (at the latest sync_every steps after its launch), "half"
 # sync_every // 2 inner steps after its launch, an int that many. The default (None) is chosen
-# with H: with sync_every="auto" each round blocks where that costs at most 4% of the wall time and
+# with H: with sync_every="auto" each round blocks where that costs at most 3% of the wall time and
 # lands one inner step after its launch where hiding behind that step lets H stay smaller
 # (acco.replicas.plan_sync_every; docs/loops.md, "Local steps that never wait"); with a fixed
 # sync_every it blocks, the recurrence bit for bit. Elastic replica groups (membership=) block:
@@ -148,8 +148,9 @@ def default_outer(sync_every: int | str, elastic: bool = False) -> functools.par
 AUTO, HALF = "auto", "half"
 DEFAULT_SYNC_DELAY = None
 # How sync_every="auto" lands rounds (acco.replicas.plan_sync_every): each blocking or a step late
-# (the default sync_delay), blocking (sync_delay=0), once done (sync_delay="auto").
-BLOCK_OR_HIDE, BLOCK, FIT = "block-or-hide", "block", "fit"
+# (the default sync_delay), a fixed number of steps after the launch (an int sync_delay: 0 blocks),
+# once done (sync_delay="auto").
+BLOCK_OR_HIDE, FIXED, FIT = "block-or-hide", "fixed", "fit"
 DEFAULT_OVERLAP = "estimate"
 # Bits per value an outer round sends (docs/design.md, "Lighter outer rounds"): 4 measured as
 # fp32 at equal inner steps and on an unlimited link, and ahead behind 20 and 50 Mbit/s
@@ -202,7 +203,8 @@ class LocalOptions:
         landing: with ``sync_every="auto"``, how the planner lands rounds
             (:func:`acco.replicas.plan_sync_every`): ``"block-or-hide"`` (the default
             ``sync_delay``: each round blocks or lands one step late, ``sync_delay`` then
-            holding 0), ``"block"`` (``sync_delay=0``) or ``"fit"`` (``sync_delay="auto"``).
+            holding 0), ``"fixed"`` (an int ``sync_delay``, 0: blocking) or ``"fit"``
+            (``sync_delay="auto"``).
     """
 
     sync_every: int
@@ -218,7 +220,7 @@ class LocalOptions:
     outer_hyperparams: tuple[tuple[str, Any], ...] = ()
     membership: Any = None
     auto_every: tuple[int, int] | None = None
-    landing: str = BLOCK
+    landing: str = FIXED
 
     def describe(self) -> list[str]:
         """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
@@ -276,15 +278,16 @@ class LocalOptions:
             return None
         every, auto_every = _check_sync_every(DEFAULT_SYNC_EVERY if sync_every is None else sync_every)
         delay = 0 if sync_delay is None else sync_delay  # (the default: blocking, or chosen with H below)
-        if auto_every is not None and delay not in (0, AUTO):
-            raise ValueError(f"Invalid sync_delay with sync_every='auto' (the default): {sync_delay!r} (0 or \"auto\": "
-                             "a fixed number of steps in flight would not follow H; give an int sync_every for it)")  # fmt: skip
         if delay == HALF:
+            if auto_every is not None:
+                raise ValueError("Invalid sync_delay with sync_every='auto' (the default): 'half' (half of an H that "
+                                 "moves: give an int up to the lower bound, \"auto\", or an int sync_every)")  # fmt: skip
             delay = every // 2
         if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= every):
+            most = f"the lower bound of sync_every='auto' (the default), {every}" if auto_every else f"sync_every={every}"
             raise ValueError(
-                f"Invalid sync_delay: {sync_delay!r} (\"auto\", \"half\" or an int in [0, sync_every={every}]: the "
-                "inner steps an outer round overlaps; 0 blocks)"
+                f"Invalid sync_delay: {sync_delay!r} (None, \"auto\", \"half\" or an int in [0, {most}]: the inner steps "
+                "an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
         outer = default_outer(every, elastic=membership is not None) if outer_optimizer is None else outer_optimizer
@@ -331,7 +334,7 @@ class LocalOptions:
         if membership is not None:
             _check_membership(membership, delay, paced, int(outer_bits), type(probe))
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
-        landing = BLOCK
+        landing = FIXED
         if auto_every is not None and delay == AUTO:
             landing = FIT
         elif auto_every is not None and sync_delay is None and membership is None and estimate is not None:

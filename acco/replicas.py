@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from acco.options import BLOCK, BLOCK_OR_HIDE, FIT, SPEED, LocalOptions, Weighting
+from acco.options import BLOCK_OR_HIDE, FIT, FIXED, SPEED, LocalOptions, Weighting
 
 __all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HIDDEN_STEPS", "HandOver", "ROUND_WINDOW", "PACE_BLOCK", "PATIENCE_ROUNDS",
            "PATIENCE_SECONDS", "PEER_LATE_STEPS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
@@ -102,7 +102,7 @@ STALL_SHARE = 0.1
 # round's own time T (its transfer and reduction: the waits for the other replicas left out, which
 # no H amortises and pacing is for), with when the round lands (the default sync_delay, None):
 # - blocking (sync_delay 0), where a round is cheap: the smallest H for which the wait T is at most
-#   AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.04;
+#   AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.03;
 # - one inner step after its launch (HIDDEN_STEPS), where that H would be larger than the H at
 #   which the round's excess over a step, max(0, T - t), costs that share: the round hides behind
 #   a step (each replica takes it from its own estimate of the outer step, the estimate rule), H
@@ -120,7 +120,7 @@ STALL_SHARE = 0.1
 # times from one round to the next (one round slowed by something else does not take H to the
 # upper bound), and falls only when the choice is below H / AUTO_HYSTERESIS (noise in the measures
 # does not make it flap).
-AUTO_WAIT_SHARE = 0.04
+AUTO_WAIT_SHARE = 0.03
 AUTO_GROWTH = 2
 AUTO_HYSTERESIS = 1.25
 HIDDEN_STEPS = 1
@@ -157,7 +157,7 @@ class EveryChoice:
     needed: float = math.nan
     step_seconds: float = 0.0
     round_seconds: float = 0.0
-    rule: str = BLOCK
+    rule: str = FIXED
     report_round: int = -1
 
     def as_dict(self) -> dict[str, Any]:
@@ -168,12 +168,12 @@ class EveryChoice:
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> EveryChoice:
         return cls(int(saved["sync_every"]), int(saved.get("sync_delay", 0)), float(saved["needed"]),
-                   float(saved["step_seconds"]), float(saved["round_seconds"]), str(saved.get("rule", BLOCK)),
+                   float(saved["step_seconds"]), float(saved["round_seconds"]), str(saved.get("rule", FIXED)),
                    int(saved["report_round"]))
 
 
 def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, round_seconds: float,
-                    rule: str = BLOCK, report_round: int = -1, current_delay: int = 0) -> EveryChoice:
+                    rule: str = FIXED, report_round: int = -1, current_delay: int = 0) -> EveryChoice:
     """The next rounds' H (and, by ``rule``, landing) for ``sync_every="auto"``: the smallest H
     in ``bounds`` for which a blocking round of ``round_seconds`` (its own transfer and
     reduction) takes at most :data:`AUTO_WAIT_SHARE` of the time of H inner steps of
@@ -182,18 +182,20 @@ def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, 
     (``"block-or-hide"``, blocking on a tie); or the smallest H a round in flight fits behind
     (``"fit"``). Above ``current`` at most :data:`AUTO_GROWTH` times it, below it only past
     :data:`AUTO_HYSTERESIS`; ``current`` (and ``current_delay``) while either measure is missing."""
+    delay = current_delay if rule != FIT else 0
     if not step_seconds > 0 or not round_seconds > 0:
-        delay = current_delay if rule == BLOCK_OR_HIDE else 0
         return EveryChoice(current, delay, math.nan, step_seconds, round_seconds, rule, report_round)
     ratio = (1.0 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE
 
     def smallest(needed: float) -> int:  # (the lower bound, not the upper: past it, the smaller wait wins)
         return max(math.ceil(needed - 1e-9), bounds[0])  # (no step for a rounding error)
 
-    delay = 0
     if rule == FIT:
         needed = round_seconds / step_seconds
+    elif rule == FIXED:  # (the steps a round lands after hide that much of it)
+        needed = max(0.0, round_seconds - delay * step_seconds) / step_seconds * ratio
     else:
+        delay = 0
         needed = round_seconds / step_seconds * ratio
         if rule == BLOCK_OR_HIDE:
             hidden = max(0.0, round_seconds - HIDDEN_STEPS * step_seconds) / step_seconds * ratio
@@ -405,7 +407,8 @@ class Pacing:
     def __post_init__(self) -> None:
         self.sync_every = self.sync_every or self.options.sync_every
         if self.delay < 0:
-            self.delay = HIDDEN_STEPS if self.options.landing == BLOCK_OR_HIDE else self.options.sync_delay
+            fixed = self.options.sync_delay if isinstance(self.options.sync_delay, int) else 0  # ("auto": unused)
+            self.delay = HIDDEN_STEPS if self.options.landing == BLOCK_OR_HIDE else fixed
         self.next_every = self.next_every or self.sync_every
         if not self.plan:
             self.plan = self.first_plan()
@@ -558,7 +561,7 @@ class Pacing:
         """A peer's :meth:`every_state` (an equal plan follows the new H)."""
         equal = len(set(self.plan)) == 1
         self.sync_every, self.next_every = int(saved["sync_every"]), int(saved["next_every"])
-        self.delay = saved.get("delay", self.delay)
+        self.delay = int(saved.get("delay", self.delay))
         choice, next_choice = saved.get("choice"), saved.get("next_choice")
         self.choice = None if choice is None else EveryChoice.from_dict(choice)
         self.next_choice = None if next_choice is None else EveryChoice.from_dict(next_choice)

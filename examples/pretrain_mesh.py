@@ -85,6 +85,8 @@ def acco_local_bytes(
     outer_bits: int,
     error_feedback: bool,
     launched: bool = True,
+    landing: str = "fixed",
+    outer_common: bool = True,
 ) -> dict[str, int]:
     """The bytes acco holds on one rank in ``mode="local"``, per buffer, summed over the param
     groups: what ``AccoOptimizer.buffer_bytes()`` reports, term by term (docs/multinode.md,
@@ -101,14 +103,19 @@ def acco_local_bytes(
         param_bytes: b, the bytes of a value of the (sharded) parameters' dtype: 4 for fp32,
             also under FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, whose
             sharded parameters stay fp32.
-        sync_delay / overlap / outer_bits / error_feedback: the resolved local-mode options
-            (``opt.options.local``; ``error_feedback``: ``outer_error_feedback`` below 16 bits).
+        sync_delay / overlap / outer_bits / error_feedback / landing: the resolved local-mode
+            options (``opt.options.local``; ``error_feedback``: ``outer_error_feedback`` below 16
+            bits; ``landing``: ``"block-or-hide"``, the default with ``sync_every="auto"``, lands
+            rounds a step late too).
         launched: an outer round has been launched (the round's buffer exists from the first).
+        outer_common: the outer step has a part every replica shares other than the global
+            values themselves (momentum or weight decay; not plain averaging, the default): the
+            estimate rule keeps a copy of it.
     """
     if replicas < 1 or param_bytes not in (2, 4, 8):
         raise ValueError(f"Invalid replicas={replicas} or param_bytes={param_bytes}")
     master_bytes = max(4, param_bytes)  # the global values' shard: fp32, fp64 for fp64 parameters
-    overlaps = sync_delay != 0
+    overlaps = sync_delay != 0 or landing == "block-or-hide"
     terms = dict.fromkeys(("grad_accumulator", "grad_handover", "gathered", "master", "master_grad",
                            "estimate_copy", "handed_over", "global_values", "outer_residual", "common_term"), 0)  # fmt: skip
     for numel in local_numels:
@@ -128,7 +135,7 @@ def acco_local_bytes(
             terms["outer_residual"] += padded * 4
         if overlaps and overlap in ("keep", "estimate") and launched:  # the start of the round in flight
             terms["handed_over"] += model_size
-        if overlaps and overlap == "estimate":  # the outer step's common part, every rank's copy
+        if overlaps and overlap == "estimate" and outer_common:  # the outer step's common part, every rank's copy
             terms["common_term"] += model_size
     return terms
 
@@ -169,7 +176,8 @@ def memory_line(opt: AccoOptimizer, ctx: Dist, shape: tuple[int, int], launched:
     param_bytes = next(iter(opt.param_groups[0]["params"])).dtype.itemsize
     predicted = acco_local_bytes(numels, shape[0], param_bytes, sync_delay=local.sync_delay,
                                  overlap=local.overlap.value, outer_bits=local.outer_bits,
-                                 error_feedback=local.error_feedback, launched=launched)  # fmt: skip
+                                 error_feedback=local.error_feedback, launched=launched, landing=local.landing,
+                                 outer_common=local.estimate is not None and not local.estimate.common_is_values)  # fmt: skip
     differing = [f"{name} {measured.get(name, 0)} vs {size}" for name, size in predicted.items()
                  if measured.get(name, 0) != size]  # fmt: skip
     verdict = "DIFFERENT: " + ", ".join(differing) if differing else "equal"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from acco import AccoOptimizer
-from acco.options import AUTO_EVERY_BOUNDS, BLOCK, BLOCK_OR_HIDE, FIT
+from acco.options import AUTO_EVERY_BOUNDS, BLOCK_OR_HIDE, FIT, FIXED
 from acco.replicas import AUTO_GROWTH, AUTO_HYSTERESIS, AUTO_WAIT_SHARE, HIDDEN_STEPS, EveryChoice, Pacing, plan_sync_every
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_equal
 from tests.reference import OPTIMIZERS, make_model, params_of
@@ -39,7 +39,7 @@ def test_the_plan_is_the_smallest_h_whose_round_costs_its_share() -> None:
     ratio = (1 - share) / share  # a blocking round of T costs T / (H t + T) <= share once H t >= T ratio
 
     def plan(current: int, round_seconds: float, blocking: bool = True, step_seconds: float = step) -> int:
-        return plan_sync_every(current, BOUNDS, step_seconds, round_seconds, BLOCK if blocking else FIT).sync_every
+        return plan_sync_every(current, BOUNDS, step_seconds, round_seconds, FIXED if blocking else FIT).sync_every
 
     # Blocking: a round of 10 steps' worth / ratio costs exactly the share of 10 steps and itself.
     assert plan(16, 10 * step / ratio) == 10
@@ -57,11 +57,11 @@ def test_the_plan_is_the_smallest_h_whose_round_costs_its_share() -> None:
     assert plan(10, inside * step / ratio) == 10
     assert plan(10, (inside - 1) * step / ratio) == inside - 1
     # Nothing measured yet: H stays, and the choice says so.
-    unmeasured = plan_sync_every(7, BOUNDS, 0.0, 0.5, BLOCK)
+    unmeasured = plan_sync_every(7, BOUNDS, 0.0, 0.5, FIXED)
     assert unmeasured.sync_every == 7 and math.isnan(unmeasured.needed)
     assert plan(7, 0.0) == 7
     # The choice says what it was made from.
-    choice = plan_sync_every(4, BOUNDS, step, 10 * step / ratio, BLOCK, report_round=3)
+    choice = plan_sync_every(4, BOUNDS, step, 10 * step / ratio, FIXED, report_round=3)
     assert (choice.step_seconds, choice.round_seconds, choice.report_round) == (step, 10 * step / ratio, 3)
     assert choice.needed == pytest.approx(10) and EveryChoice.from_dict(choice.as_dict()) == choice
 
@@ -79,7 +79,8 @@ def test_the_default_landing_blocks_a_cheap_round_and_hides_a_long_one() -> None
 
     assert plan(3 * step / ratio) == (4, 0)  # blocking at H = 4 waits the share: it blocks
     assert plan(5 * step / ratio) == (4, HIDDEN_STEPS)  # blocking would need H = 5; hidden, 4
-    assert plan(1.5 * step, current=16) == (12, HIDDEN_STEPS)  # blocking 36, hidden 12
+    hidden = math.ceil(0.5 * ratio)  # what a step does not hide of a round of 1.5 steps
+    assert plan(1.5 * step, current=32) == (hidden, HIDDEN_STEPS) and math.ceil(1.5 * ratio) > hidden
     assert plan(1.5 * step, current=4, bounds=(4, 4)) == (4, HIDDEN_STEPS)  # both past the bound: hidden waits less
     assert plan(0.0) == (4, HIDDEN_STEPS)  # unmeasured: as it was
 
@@ -132,7 +133,7 @@ def test_auto_is_checked_before_anything_is_built() -> None:
     for bad in ("often", ("auto", 0, 8), ("auto", 16, 8), ("auto", 4), ("auto", 4.0, 8)):
         with pytest.raises(ValueError, match="Invalid sync_every"):
             AccoOptimizer(model, torch.optim.AdamW, mode="local", sync_every=bad)
-    for options, says in ((dict(sync_delay=3), "Invalid sync_delay"), (dict(sync_delay="half"), "Invalid sync_delay"),
+    for options, says in ((dict(sync_delay=5), "Invalid sync_delay"), (dict(sync_delay="half"), "Invalid sync_delay"),
                           (dict(pacing=[4, 4]), "Invalid pacing")):
         with pytest.raises(ValueError, match=says):
             AccoOptimizer(model, torch.optim.AdamW, mode="local", sync_every="auto", **options)

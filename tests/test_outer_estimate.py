@@ -27,22 +27,29 @@ pytestmark = pytest.mark.timeout(120)
 ESTIMATE = {"overlap": "estimate"}
 
 
-@pytest.mark.parametrize("bits,delay", [(4, H), (8, 1)])
-def test_quantised_estimate_equals_its_recurrence(ranks, bits, delay) -> None:
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
+
+
+@pytest.mark.parametrize("bits,delay,outer", [(4, H, None), (8, 1, None), (4, H, NESTEROV), (8, 1, NESTEROV)],
+                         ids=["4-whole-plain", "8-early-plain", "4-whole-nesterov", "8-early-nesterov"])
+def test_quantised_estimate_equals_its_recurrence(ranks, bits, delay, outer) -> None:
     """Below 32 bits the common part y travels as x does (quantised against each rank's copy):
     every replica ends where the recurrence puts it, identical on every rank; each round sends
-    three legs of the codec's rows (the reduce, x and y)."""
+    three legs of the codec's rows (the reduce, x and y). With plain averaging (the default outer
+    step) y is x itself: two legs, and no copy of it."""
     steps = 10
-    options = {"sync_every": H, "sync_delay": delay, "outer_bits": bits, **ESTIMATE}
+    options = {"sync_every": H, "sync_delay": delay, "outer_bits": bits, "outer_optimizer": outer, **ESTIMATE}
     results = ranks(2).run(bits_rank, steps, options)
-    reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap="estimate", outer_bits=bits)
+    reference = expected(2, steps, "adamw", sync_every=H, sync_delay=delay, overlap="estimate", outer_bits=bits,
+                         **({} if outer is None else {"outer": outer}))  # fmt: skip
     assert_identical_across_ranks(results)
     assert_params_close(results[0]["params"], reference[0], rtol=0, atol=1e-6)
     padded = results[0]["padded"]
     sizes = [p.numel() for p in make_model().parameters()]
     rounds = results[0]["bytes"]
-    assert len(rounds) >= 3 and rounds == [3 * 2 * row_bytes(sizes, padded // 2, 2, bits)] * len(rounds)
-    assert results[0]["sizes"]["common_term"] == 4 * padded
+    legs = 2 if outer is None else 3
+    assert len(rounds) >= 3 and rounds == [legs * 2 * row_bytes(sizes, padded // 2, 2, bits)] * len(rounds)
+    assert results[0]["sizes"]["common_term"] == (0 if outer is None else 4 * padded)
 
 
 def test_a_whole_round_in_flight_differs_from_landing_early() -> None:
@@ -151,7 +158,7 @@ def test_auto_lands_by_the_next_boundary_and_equals_that_integer_delay(ranks, re
 
 def memory_rank() -> dict:
     model = make_model(seed=0, hidden=61)
-    opt = build(model, "adamw", sync_every=2, sync_delay=2, **ESTIMATE)
+    opt = build(model, "adamw", sync_every=2, sync_delay=2, outer_optimizer=NESTEROV, **ESTIMATE)
     for t in range(3):
         inner_step(opt, model, t, this_rank(), False)
     sizes = opt.buffer_bytes()[0]
@@ -161,8 +168,9 @@ def memory_rank() -> dict:
 
 
 def test_memory_is_keeps_plus_one_copy(ranks) -> None:
-    """Beyond "keep": one model-size copy of y (param dtype); the start each replica's round
-    began from is "keep"'s handed_over buffer; the outer state stays 1/R."""
+    """Beyond "keep": one model-size copy of y (param dtype; an outer step with momentum: with
+    plain averaging y is the global values); the start each replica's round began from is
+    "keep"'s handed_over buffer; the outer state stays 1/R."""
     for result in ranks(2).run(memory_rank):
         sizes, padded = result["sizes"], result["padded"]
         assert sizes["common_term"] == sizes["handed_over"] == sizes["global_values"] == 4 * padded
