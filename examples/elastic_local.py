@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "group that has not asked yet (acco's grace window waits longer where the hand-over times spread more)")  # fmt: skip
     add("--grace", default="adaptive", help="how long a round waits for a group of the last round: 'adaptive' "
         "(a few times the measured spread of hand-over times) or seconds; 'lockstep': every live group, every round")  # fmt: skip
-    add("--sync-every", type=int, default=10)
+    add("--sync-every", type=lambda text: text if text == "auto" else int(text), default=10,
+        help="inner steps per outer round, or 'auto': chosen from the link (the library's default)")
     add("--outer-bits", type=int, default=4)
     add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
     add("--quorum-timeout", type=float, default=60.0, help="seconds a round waits for a quorum")

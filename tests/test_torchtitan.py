@@ -482,7 +482,8 @@ def test_sync_every_from_the_command_line(given: list[str], expected: Any) -> No
     config = ConfigManager().parse_args(["--module", "acco.integrations.torchtitan", "--config",
                                          "acco_llama3_debugmodel", "--optimizer.mode", "local", *given])
     kwargs = config.optimizer.acco_kwargs()
-    assert kwargs["sync_every"] == expected and kwargs["sync_delay"] == 0
+    assert kwargs["sync_every"] == expected and kwargs["sync_delay"] is None
     options = LocalOptions.check(Mode.LOCAL, kwargs["sync_every"], kwargs["sync_delay"], None, None,
                                  pacing=kwargs["pacing"])
     assert options.auto_every == (None if isinstance(expected, int) else expected[1:])
+    assert options.landing == ("fixed" if isinstance(expected, int) else "block-or-hide")  # (a fixed H: blocking)

@@ -102,8 +102,10 @@ class AccoOptimizersContainer(OptimizersContainer):
         sync_every_bounds: tuple[int, int] = AUTO_EVERY_BOUNDS
         """mode='local' with sync_every='auto': the least and the most inner steps per round."""
 
-        sync_delay: int = 0
-        """mode='local': inner steps from an outer round's launch to its landing (0: blocking DiLoCo)."""
+        sync_delay: int | None = None
+        """mode='local': inner steps from an outer round's launch to its landing (0: blocking
+        DiLoCo); None (the default): with sync_every 'auto' chosen with H each round (blocking, or
+        one step after the launch), else 0."""
 
         outer_bits: int = DEFAULT_OUTER_BITS
         """mode='local': bits per value an outer round sends (4, 8, 16 or 32)."""
