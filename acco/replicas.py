@@ -47,9 +47,10 @@ import torch.distributed as dist
 
 from acco.options import BLOCK_OR_HIDE, FIT, FIXED, SPEED, LocalOptions, Weighting
 
-__all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HIDDEN_STEPS", "HandOver", "ROUND_WINDOW", "PACE_BLOCK", "PATIENCE_ROUNDS",
-           "PATIENCE_SECONDS", "PEER_LATE_STEPS", "PEER_PATIENCE", "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ReplicaReport", "SPEED_BAND", "STALL_ROUNDS", "STALL_SHARE",
-           "block_median", "pace_window", "plan_sync_every"]
+__all__ = ["APART_REPORTS", "AUTO_GROWTH", "AUTO_HYSTERESIS", "AUTO_WAIT_SHARE", "EveryChoice", "HIDDEN_STEPS", "HIDDEN_WAIT_SHARE", "HIDE_COST",
+           "HandOver", "PACE_BLOCK", "PATIENCE_ROUNDS", "PATIENCE_SECONDS", "PEER_LATE_STEPS", "PEER_PATIENCE",
+           "PEER_PATIENCE_SECONDS", "Pacing", "PacingStall", "ROUND_WINDOW", "ReplicaReport", "SPEED_BAND",
+           "STALL_ROUNDS", "STALL_SHARE", "block_median", "pace_window", "plan_sync_every"]
 
 _log = logging.getLogger("acco")
 
@@ -101,26 +102,33 @@ STALL_SHARE = 0.1
 # sync_every="auto" (the default): H is chosen at each landing from the replicas' paces t and the
 # round's own time T (its transfer and reduction: the waits for the other replicas left out, which
 # no H amortises and pacing is for), with when the round lands (the default sync_delay, None):
-# - blocking (sync_delay 0), where a round is cheap: the smallest H for which the wait T is at most
-#   AUTO_WAIT_SHARE of the time a round takes, T / (H t + T) <= 0.03;
-# - one inner step after its launch (HIDDEN_STEPS), where that H would be larger than the H at
-#   which the round's excess over a step, max(0, T - t), costs that share: the round hides behind
-#   a step (each replica takes it from its own estimate of the outer step, the estimate rule), H
-#   grows only for what a step does not hide.
-# Measured on 2 CPU ranks (docs/loops.md, "Local steps that never wait"): blocking every 4 steps is
-# the best per inner step there is at these sizes (0.47% above data-parallel at equal tokens), but
-# behind 20 Mbit/s it waited 23-27% of the time, and on an unlimited link 6-8% (the round's 4-bit
-# encoding and decoding); blocking at the H that waits 4% behind 20 Mbit/s (about 30) trained
-# 4-5% worse per step; a round landing one step late cost 0.6% at H = 4 (+1.10% against +0.47%),
-# less than blocking at H = 8 (+1.96%) and in flight until it is done (+2.2%: the replicas drift
-# apart in phase, and the steps in flight grow to most of a round).
+# - blocking (sync_delay 0): the smallest H for which the wait T is at most AUTO_WAIT_SHARE of
+#   the time a round takes, T / (H t + T) <= 0.04 (a replica a little behind is not waited for:
+#   the late landing below);
+# - one inner step after its launch (HIDDEN_STEPS), where blocking would need an H more than
+#   HIDE_COST steps above the H at which the round's excess over a step, max(0, T - t), costs
+#   HIDDEN_WAIT_SHARE (3%: here the replica behind is waited for at the landing): the round hides
+#   behind a step (each replica takes it from its own estimate of the outer step, the estimate
+#   rule), H grows only for what a step does not hide. Per inner step a round a step late at
+#   H = 4 trained as blocking at H = 8 (held-out loss at 150 inner steps, medians of 3 seeds behind
+#   20, 200 and 500 Mbit/s: a step late 2.50-2.54, blocking H = 8 2.53, H = 4 2.46-2.48;
+#   benchmarks/results/landing-hide-*.json): the step costs about 4 steps of H.
+# Measured on 2 CPU ranks (docs/loops.md, "The defaults: H and the landing chosen from the link"):
+# a blocking round every 4 steps waited 23-27% of the time behind 20 Mbit/s and 6-8% on an
+# unlimited link (the round's 4-bit encoding and decoding, and the replica behind); blocking at an
+# H that waits less trained worse per step (H = 8: +1.96% against data-parallel at equal tokens
+# where H = 4 was +0.47%, seed 1337); a round landing one step late cost less (+1.10%), one in
+# flight until done more (+2.2%: the replicas drift apart in phase and the steps in flight grow
+# to most of a round).
 # With sync_delay=0 the blocking rule alone; with sync_delay="auto" (a round lands once done) the
 # smallest H it fits behind, T <= H t.
 # H rises at once when the measures ask for more (the wait is over the budget), at most AUTO_GROWTH
 # times from one round to the next (one round slowed by something else does not take H to the
 # upper bound), and falls only when the choice is below H / AUTO_HYSTERESIS (noise in the measures
 # does not make it flap).
-AUTO_WAIT_SHARE = 0.03
+AUTO_WAIT_SHARE = 0.04
+HIDDEN_WAIT_SHARE = 0.03
+HIDE_COST = 4
 AUTO_GROWTH = 2
 AUTO_HYSTERESIS = 1.25
 HIDDEN_STEPS = 1
@@ -145,8 +153,9 @@ class EveryChoice:
         step_seconds: the fastest replica's seconds per inner step, from the report.
         round_seconds: the slowest round's own time any replica measured (transfer and
             reduction), from the report.
-        rule: ``"block-or-hide"`` (the default landing), ``"block"`` (``sync_delay=0``:
-            ``T <= s / (1 - s) H t``, ``s`` = :data:`AUTO_WAIT_SHARE`) or ``"fit"``
+        rule: ``"block-or-hide"`` (the default landing), ``"fixed"`` (an int ``sync_delay``
+            d, 0 blocking: ``max(0, T - d t) <= s / (1 - s) H t``, ``s`` =
+            :data:`AUTO_WAIT_SHARE`, :data:`HIDDEN_WAIT_SHARE` for d > 0) or ``"fit"``
             (``sync_delay="auto"``: ``T <= H t``).
         report_round: the index of the landed round whose report the choice came from (-1:
             none, the first rounds run the lower bound).
@@ -177,15 +186,20 @@ def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, 
     """The next rounds' H (and, by ``rule``, landing) for ``sync_every="auto"``: the smallest H
     in ``bounds`` for which a blocking round of ``round_seconds`` (its own transfer and
     reduction) takes at most :data:`AUTO_WAIT_SHARE` of the time of H inner steps of
-    ``step_seconds`` and itself (``"block"``); or that, or a round landing
-    :data:`HIDDEN_STEPS` later whose excess over them takes that share, whichever H is smaller
-    (``"block-or-hide"``, blocking on a tie); or the smallest H a round in flight fits behind
-    (``"fit"``). Above ``current`` at most :data:`AUTO_GROWTH` times it, below it only past
+    ``step_seconds`` and itself (``"fixed"``; for a round landing ``current_delay`` steps after
+    its launch what they do not hide, and :data:`HIDDEN_WAIT_SHARE`); or that, unless a round
+    landing :data:`HIDDEN_STEPS` later would do with more than :data:`HIDE_COST` steps less,
+    then the H at which its excess over them takes :data:`HIDDEN_WAIT_SHARE`
+    (``"block-or-hide"``); or the smallest H a round in flight fits behind (``"fit"``). Above ``current`` at most :data:`AUTO_GROWTH` times it, below it only past
     :data:`AUTO_HYSTERESIS`; ``current`` (and ``current_delay``) while either measure is missing."""
     delay = current_delay if rule != FIT else 0
     if not step_seconds > 0 or not round_seconds > 0:
         return EveryChoice(current, delay, math.nan, step_seconds, round_seconds, rule, report_round)
-    ratio = (1.0 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE
+
+    def steps_for(hidden_steps: int) -> float:
+        """The H at which a round landing ``hidden_steps`` after its launch waits its share."""
+        share = AUTO_WAIT_SHARE if hidden_steps == 0 else HIDDEN_WAIT_SHARE
+        return max(0.0, round_seconds - hidden_steps * step_seconds) / step_seconds * (1.0 - share) / share
 
     def smallest(needed: float) -> int:  # (the lower bound, not the upper: past it, the smaller wait wins)
         return max(math.ceil(needed - 1e-9), bounds[0])  # (no step for a rounding error)
@@ -193,14 +207,12 @@ def plan_sync_every(current: int, bounds: tuple[int, int], step_seconds: float, 
     if rule == FIT:
         needed = round_seconds / step_seconds
     elif rule == FIXED:  # (the steps a round lands after hide that much of it)
-        needed = max(0.0, round_seconds - delay * step_seconds) / step_seconds * ratio
+        needed = steps_for(delay)
     else:
-        delay = 0
-        needed = round_seconds / step_seconds * ratio
-        if rule == BLOCK_OR_HIDE:
-            hidden = max(0.0, round_seconds - HIDDEN_STEPS * step_seconds) / step_seconds * ratio
-            if smallest(hidden) < smallest(needed):
-                needed, delay = hidden, HIDDEN_STEPS
+        delay, needed = 0, steps_for(0)
+        hidden = steps_for(HIDDEN_STEPS)
+        if smallest(hidden) + HIDE_COST < smallest(needed):
+            needed, delay = hidden, HIDDEN_STEPS
     chosen = min(smallest(needed), bounds[1])
     if chosen > current:
         chosen = min(chosen, AUTO_GROWTH * current)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from acco import AccoOptimizer
 from acco.options import AUTO_EVERY_BOUNDS, BLOCK_OR_HIDE, FIT, FIXED
-from acco.replicas import AUTO_GROWTH, AUTO_HYSTERESIS, AUTO_WAIT_SHARE, HIDDEN_STEPS, EveryChoice, Pacing, plan_sync_every
+from acco.replicas import (AUTO_GROWTH, AUTO_HYSTERESIS, AUTO_WAIT_SHARE, HIDDEN_STEPS, HIDDEN_WAIT_SHARE, HIDE_COST,
+                           EveryChoice, Pacing, plan_sync_every)
 from tests.helpers import TIMEOUT, assert_identical_across_ranks, assert_params_equal
 from tests.reference import OPTIMIZERS, make_model, params_of
 from tests.ranks import run_script
@@ -67,20 +68,23 @@ def test_the_plan_is_the_smallest_h_whose_round_costs_its_share() -> None:
 
 
 def test_the_default_landing_blocks_a_cheap_round_and_hides_a_long_one() -> None:
-    """The default landing (``"block-or-hide"``): a round that blocking at the lower bound keeps
-    within the share blocks; a longer one lands HIDDEN_STEPS after its launch, H covering what a
-    step does not hide; past the upper bound, the smaller wait (hiding) wins; unmeasured, the
-    landing stays."""
-    step, ratio = 0.1, (1 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE
+    """The default landing (``"block-or-hide"``): a round blocks at the H that keeps its wait
+    within AUTO_WAIT_SHARE, unless landing HIDDEN_STEPS after its launch would do with an H more
+    than HIDE_COST steps smaller (its excess over the step within HIDDEN_WAIT_SHARE); past the
+    upper bound, the smaller wait (hiding) wins; unmeasured, the landing stays."""
+    step = 0.1
+    blocking = (1 - AUTO_WAIT_SHARE) / AUTO_WAIT_SHARE  # T / t times this: blocking's H
+    hiding = (1 - HIDDEN_WAIT_SHARE) / HIDDEN_WAIT_SHARE  # (T - t) / t times this: hiding's
 
     def plan(round_seconds: float, current: int = 4, bounds: tuple[int, int] = BOUNDS) -> tuple[int, int]:
         choice = plan_sync_every(current, bounds, step, round_seconds, BLOCK_OR_HIDE, current_delay=HIDDEN_STEPS)
         return choice.sync_every, choice.sync_delay
 
-    assert plan(3 * step / ratio) == (4, 0)  # blocking at H = 4 waits the share: it blocks
-    assert plan(5 * step / ratio) == (4, HIDDEN_STEPS)  # blocking would need H = 5; hidden, 4
-    hidden = math.ceil(0.5 * ratio)  # what a step does not hide of a round of 1.5 steps
-    assert plan(1.5 * step, current=32) == (hidden, HIDDEN_STEPS) and math.ceil(1.5 * ratio) > hidden
+    assert plan(3 * step / blocking) == (4, 0)  # cheap: blocking at the lower bound
+    assert plan(8 * step / blocking) == (8, 0)  # hiding would need the lower bound, 4: not more than HIDE_COST less
+    assert plan((5 + HIDE_COST) * step / blocking, current=8) == (4, HIDDEN_STEPS)  # blocking 9, hidden 4: hidden
+    hidden = math.ceil(0.5 * hiding)  # what a step does not hide of a round of 1.5 steps
+    assert plan(1.5 * step, current=32) == (hidden, HIDDEN_STEPS) and math.ceil(1.5 * blocking) > hidden + HIDE_COST
     assert plan(1.5 * step, current=4, bounds=(4, 4)) == (4, HIDDEN_STEPS)  # both past the bound: hidden waits less
     assert plan(0.0) == (4, HIDDEN_STEPS)  # unmeasured: as it was
 
