@@ -1,5 +1,5 @@
-"""The defaults of ``mode="local"`` (``sync_every="auto"``, blocking 4-bit rounds) against fixed
-blocking H at equal wall time (issues 58 and 71): 2 ranks, the time-to-loss GPT, 45 s per method,
+"""The defaults of ``mode="local"`` (``sync_every="auto"`` and the default landing: each round
+blocking, or hidden behind one inner step; 4-bit rounds) against fixed blocking H at equal wall time (issues 58 and 71): 2 ranks, the time-to-loss GPT, 45 s per method,
 behind a rate-limited loopback (or a link that changes speed a third into each run), with rank 0's
 share of the wall time spent waiting for outer rounds. Each setting is one ``time_to_loss.py``
 launch (every method, seeds 1337, 7 and 42, the methods in turn within each seed)::
@@ -7,7 +7,7 @@ launch (every method, seeds 1337, 7 and 42, the methods in turn within each seed
     sudo $(which python) benchmarks/auto_every.py 20mbit 200mbit 500mbit unlimited   # the issue's links
     sudo $(which python) benchmarks/auto_every.py 500to20mbit  # 500 Mbit/s for 15 s, then 20 (and 20to500mbit)
     sudo $(which python) benchmarks/auto_every.py 20mbit --methods local-hdefault   # some methods again
-    python benchmarks/auto_every.py --report                   # docs/loops.md's table and figure
+    python benchmarks/auto_every.py --report                   # docs/loops.md's and the README's tables
 
 Results: ``benchmarks/results/auto_every-SETTING.json`` (time_to_loss.py's format; with
 ``--methods``, the runs of those methods replace theirs in the file, the others kept), the figure
@@ -27,11 +27,11 @@ from typing import Any
 
 import common
 
-__all__ = ["FIXED", "SETTINGS", "blocks", "compare", "report"]
+__all__ = ["FIXED", "SETTINGS", "blocks", "compare", "readme", "report"]
 
-AUTO = "local-hdefault"  # the library's defaults: sync_every="auto", blocking
+AUTO = "local-hdefault"  # the library's defaults: sync_every="auto", the default landing
 FIXED = (4, 8, 16, 30)
-METHODS = (AUTO, *(f"local-h{h}" for h in FIXED))  # (the library's default sync_delay: 0, blocking)
+METHODS = (AUTO, *(f"local-h{h}" for h in FIXED))  # (a fixed H's rounds block: the default landing's rule)
 TODAY = "local-h4"  # the default H of 2026-11-28
 SEEDS = ("1337", "7", "42")
 BUDGET_S = 45
@@ -194,7 +194,7 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
               "rank 0 waiting, defaults: % median (per seed)", "rank 0 waiting, H = 4", "H the defaults chose (seed 1337)"]
     text = (f"Median final held-out loss over seeds {', '.join(SEEDS)} (fewer: their number in brackets), "
             f"{BUDGET_S} s per method, 2 ranks, the time-to-loss GPT (0.83M); `defaults` is `mode=\"local\"` as "
-            "it comes (`sync_every=\"auto\"`, blocking 4-bit rounds, plain averaging), `H = N` the same at a fixed "
+            "it comes (`sync_every=\"auto\"`, the default landing, 4-bit rounds, plain averaging), `H = N` the same at a fixed "
             "H (blocking); best fixed H in bold; rank 0's share of the wall time its `step()` waited for outer "
             "rounds (`RoundStats.wait_seconds` and `patience_seconds`). Commands: `sudo $(which python) "
             "benchmarks/auto_every.py SETTING`.\n\n" + common.md_table(header, rows))
@@ -204,9 +204,31 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
     return text
 
 
+def readme(results_dir: Path = common.RESULTS_DIR) -> str:
+    """The README's table: per link of the issue's, the defaults against the best fixed H and
+    rank 0's waiting."""
+    rows = []
+    for setting in SETTINGS:
+        if setting in CHANGING or not (p := path_of(setting, results_dir)).exists():
+            continue
+        c = compare(json.loads(p.read_text()))
+        if "gap_to_best" not in c:
+            continue
+        best = c["best_fixed"]
+        waits = c["waiting"][AUTO]
+        rows.append([setting, f"{c['median'][AUTO]:.4f}", f"{c['median'][best]:.4f} (H = {best.removeprefix('local-h')})",
+                     f"{100 * c['gap_to_best']:+.2f}%", f"{100 * statistics.median(waits):.1f}%" if waits else "-",
+                     f"{100 * statistics.median(c['waiting'][TODAY]):.1f}%" if c["waiting"].get(TODAY) else "-",
+                     chosen_text(c.get("chosen", [])[:1])])
+    if not rows:
+        return ""
+    return common.md_table(["link", "defaults: final held-out loss", "best fixed H", "defaults vs best",
+                            "rank 0 waiting, defaults", "rank 0 waiting, H = 4", "H the defaults chose (seed 1337)"], rows)
+
+
 def blocks(results_dir: Path) -> dict[str, str]:
-    text = report(results_dir)
-    return {"auto-every": text} if text else {}
+    text, table = report(results_dir), readme(results_dir)
+    return {**({"auto-every": text} if text else {}), **({"auto-every-readme": table} if table else {})}
 
 
 def main(argv: list[str]) -> None:
