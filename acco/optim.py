@@ -173,12 +173,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         sync_every: ``local`` only: ``"auto"`` (the default, bounds 4-128) or ``("auto", lo,
             hi)``: inner steps between outer rounds chosen before each round from the measured
             inner step time and the round's own time (:func:`acco.replicas.plan_sync_every`), the
-            same on every replica, starting at ``lo``, so that waiting for rounds costs at most 3%
+            same on every replica, starting at ``lo``, so that waiting for rounds costs at most 4%
             of the wall time (on a fast link 4); or an int, a fixed H (bit-for-bit reproducible).
         sync_delay: ``local`` only: when an outer round lands. The default (None): with
-            ``sync_every="auto"`` chosen with H each round, at once (blocking) where that costs
-            at most 3% of the time, else one inner step after its launch (the round hides behind
-            that step, kept by the estimate rule), a blocking round waiting for the link and not
+            ``sync_every="auto"`` chosen with H each round, at once (blocking, at the H where that
+            waits at most 4% of the time) unless one inner step after its launch needs an H more
+            than 4 steps smaller (the round hides behind that step, kept by the estimate rule), a blocking round waiting for the link and not
             for a replica a little behind (that one lands it a step late); with a fixed
             ``sync_every``, or elastic groups, 0: blocking DiLoCo. ``"auto"``: at the first inner
             step at which the comm lane has finished it (at the latest ``sync_every`` steps after

@@ -117,7 +117,7 @@ DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
 # with this one -0.1% to +0.6% (docs/elastic.md, "Recovery, measured").
 DEFAULT_ELASTIC_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
 # sync_every="auto", the default (acco.replicas.plan_sync_every): H is chosen at each landing from the
-# measured inner step time and the round's own time, so that waiting for rounds costs at most 3% of
+# measured inner step time and the round's own time, so that waiting for rounds costs at most 4% of
 # the wall time, within these bounds unless given ("auto", lo, hi). The first rounds run the lower
 # bound: measured quickly, and 4 is the H the outer step was chosen at against data-parallel (on a
 # link whose rounds cost less than that, H stays 4). Measured against fixed H at equal time behind
@@ -137,8 +137,9 @@ def default_outer(sync_every: int | str, elastic: bool = False) -> functools.par
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
 # the comm lane has finished it (at the latest sync_every steps after its launch), "half"
 # sync_every // 2 inner steps after its launch, an int that many. The default (None) is chosen
-# with H: with sync_every="auto" each round blocks where that costs at most 3% of the wall time and
-# lands one inner step after its launch where hiding behind that step lets H stay smaller
+# with H: with sync_every="auto" each round blocks, at the H where that costs at most 4% of the wall
+# time, unless landing one inner step after its launch (hidden behind that step) lets H stay more
+# than HIDE_COST steps smaller
 # (acco.replicas.plan_sync_every; docs/loops.md, "Local steps that never wait"); with a fixed
 # sync_every it blocks, the recurrence bit for bit. Elastic replica groups (membership=) block:
 # a dropped round or a heal rewrites a replica's parameters on the comm lane. With a delay the

@@ -82,9 +82,10 @@ MEANING = {
     "overlap": "`\"estimate\"` with an outer optimizer linear in its gradient (SGD without dampening), "
                "`\"discard\"` with any other",
     "membership": "every replica of the process group, in every outer round",
-    "sync_delay": "with `sync_every=\"auto\"` chosen with H each round: 0 (blocking) where that waits at most "
-                  "3% of the time, else 1 (the round lands one inner step after its launch); with a fixed "
-                  "`sync_every`, and for elastic groups (`membership=`), 0",
+    "sync_delay": "with `sync_every=\"auto\"` chosen with H each round: 0 (blocking, at the H where that waits "
+                  "at most 4% of the time), or 1 (the round lands one inner step after its launch) where that "
+                  "keeps H more than 4 steps smaller; with a fixed `sync_every`, and for elastic groups "
+                  "(`membership=`), 0",
 }
 
 

@@ -199,7 +199,7 @@ class AccoTrainer(Trainer):
             raise ValueError(
                 "Invalid acco_accumulate_while_waiting=True with acco_mode='local': an inner step is one update, it "
                 "cannot take more micro-batches while a round is in flight; the default sync_every='auto' keeps the "
-                "wait for rounds under 3% of the time, and acco_kwargs sync_delay='auto' lands each round "
+                "wait for rounds under 4% of the time, and acco_kwargs sync_delay='auto' lands each round "
                 "once it has arrived"
             )
         if self.acco_mode is Mode.LOCAL:

@@ -97,7 +97,7 @@ class AccoOptimizersContainer(OptimizersContainer):
         """mode='local': inner steps between outer rounds, or 'auto' (the default): chosen before
         each round from the measured inner step time and the round's own time, within
         sync_every_bounds, with when each round lands (blocking, or a step after its launch), so that
-        waiting for rounds costs at most 3% of the time."""
+        waiting for rounds costs at most 4% of the time."""
 
         sync_every_bounds: tuple[int, int] = AUTO_EVERY_BOUNDS
         """mode='local' with sync_every='auto': the least and the most inner steps per round."""
