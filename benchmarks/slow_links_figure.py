@@ -26,7 +26,7 @@ FIGURE = common.REPO_ROOT / "docs" / "slow_links.png"
 # What each name meant when the run was made (a name without settings means the library's
 # defaults of that day).
 LABELS = {
-    "local-hdefault": "acco local, the defaults (sync_every=\"auto\", blocking)",
+    "local-hdefault": "acco local, the defaults (H and each round's landing chosen from the link)",
     "local-h4": "acco local, H = 4, blocking (the defaults of 2026-11-28)",
     "local-h30-olr0.5-mom0.3": "acco local, H = 30, blocking, outer Nesterov 0.5 / 0.3 (the defaults of 2026-11-27)",
     "local-h16": "acco local, H = 16, estimate rule, auto landing",
