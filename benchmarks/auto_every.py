@@ -1,7 +1,8 @@
 """The defaults of ``mode="local"`` (``sync_every="auto"`` and the default landing: each round
 blocking, or hidden behind one inner step; 4-bit rounds) against fixed blocking H at equal wall
-time (issues 58 and 71): 2 ranks, the time-to-loss GPT, 45 s per method, behind a rate-limited loopback (or a link that changes speed a third into each run), with rank 0's
-share of the wall time spent waiting for outer rounds. Each setting is one ``time_to_loss.py``
+time (issues 58 and 71): 2 ranks, the time-to-loss GPT, 45 s per method, behind a rate-limited
+loopback (or a link that changes speed a third into each run), with rank 0's share of the wall
+time spent waiting for outer rounds. Each setting is one ``time_to_loss.py``
 launch (every method, seeds 1337, 7 and 42, the methods in turn within each seed)::
 
     sudo $(which python) benchmarks/auto_every.py 20mbit 200mbit 500mbit unlimited   # the issue's links
