@@ -170,6 +170,7 @@ def figure(data: dict[str, dict[str, Any]], out_dir: Path) -> str | None:
 
 def report(results_dir: Path = common.RESULTS_DIR) -> str:
     data = {s: json.loads(p.read_text()) for s in SETTINGS if (p := path_of(s, results_dir)).exists()}
+    data = {s: d for s, d in data.items() if AUTO in finals(d)}  # (a file of fixed H alone predates the defaults)
     if not data:
         return ""
     rows = []
