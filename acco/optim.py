@@ -178,8 +178,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         sync_delay: ``local`` only: when an outer round lands. The default (None): with
             ``sync_every="auto"`` chosen with H each round, at once (blocking, at the H where that
             waits at most 4% of the time) unless one inner step after its launch needs an H more
-            than 4 steps smaller (the round hides behind that step, kept by the estimate rule), a blocking round waiting for the link and not
-            for a replica a little behind (that one lands it a step late); with a fixed
+            than 4 steps smaller (the round hides behind that step, kept by the estimate rule), a round waiting for the
+            link and not for a replica a little behind (that one lands it a step later); with a fixed
             ``sync_every``, or elastic groups, 0: blocking DiLoCo. ``"auto"``: at the first inner
             step at which the comm lane has finished it (at the latest ``sync_every`` steps after
             its launch, waiting then if it must); or after a fixed number of inner steps in

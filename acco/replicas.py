@@ -81,7 +81,8 @@ APART_REPORTS = 2
 # optimizer's timeout: some replica stopped stepping.
 PATIENCE_ROUNDS = 0.25
 PATIENCE_SECONDS = 0.05
-# sync_every="auto": a blocking round waits for the link, not for a replica a little behind (the
+# sync_every="auto": a round (blocking, or hidden behind a step by the default landing) waits for
+# the link, not for a replica a little behind (the
 # phases of equal replicas drift by a good share of a step per round on a busy machine, and the
 # skew grows with H: on 2 CPU ranks it was most of the wait at H = 4 on an unlimited link, and
 # half of it at H = 30 behind 20 Mbit/s). A replica whose round still waits for the others'
@@ -107,7 +108,7 @@ STALL_SHARE = 0.1
 #   the late landing below);
 # - one inner step after its launch (HIDDEN_STEPS), where blocking would need an H more than
 #   HIDE_COST steps above the H at which the round's excess over a step, max(0, T - t), costs
-#   HIDDEN_WAIT_SHARE (3%: here the replica behind is waited for at the landing): the round hides
+#   HIDDEN_WAIT_SHARE (3%: the step hides the link, not all of the others' skew): the round hides
 #   behind a step (each replica takes it from its own estimate of the outer step, the estimate
 #   rule), H grows only for what a step does not hide. Per inner step a round a step late at
 #   H = 4 trained as blocking at H = 8 (held-out loss at 150 inner steps, medians of 3 seeds behind
@@ -677,15 +678,17 @@ class Pacing:
         its own and :data:`PATIENCE_ROUNDS` of the longest more, at the last report's paces (at
         least :data:`PATIENCE_SECONDS`), once speed pacing gave the replicas
         different plans (their launches are no longer at the same step counts, even where their
-        plans are equal again); with ``sync_every="auto"`` otherwise, for a round that ``blocks``,
-        :data:`PEER_PATIENCE` of an inner step at this replica's pace (a round waits for the
-        link, not for a peer a little behind; one landing a step late has had that step); None
-        (as long as it takes) with a fixed ``sync_every``, where every replica reaches every step
-        count with the others and the rounds are the recurrence's bit for bit."""
+        plans are equal again); with ``sync_every="auto"`` otherwise, for a round that ``blocks``
+        and one the default landing hides behind a step, :data:`PEER_PATIENCE` of an inner step
+        at this replica's pace (a round waits for the link, not for a peer a little behind: with
+        replicas a few percent apart in speed, the faster one would otherwise wait that share of
+        its time at any H); None (as long as it takes) with a fixed ``sync_every``, or a fixed
+        ``sync_delay``, where every replica reaches every step count with the others and the
+        rounds are the recurrence's bit for bit."""
         if not self.lands_late:
             return None
         if not self.paced_apart or self.options.pacing != SPEED:
-            if not self.may_land_late or not blocks:
+            if not self.may_land_late or not (blocks or self.options.landing == BLOCK_OR_HIDE):
                 return None
             return max(PEER_PATIENCE * self.pace(), PEER_PATIENCE_SECONDS)
         seconds = self.last_report.step_seconds if self.last_report is not None else ()

@@ -205,7 +205,7 @@ def test_a_replica_that_stops_stepping_raises_pacing_stall(tmp_path) -> None:
 # ----------------------------------------------------------------------------- the rule
 
 
-def pacing(replicas: int = 2, every: int = 30, delay: int = 0, schedule: str | tuple = "speed") -> Pacing:
+def pacing(replicas: int = 2, every: int | str = 30, delay: int | None = 0, schedule: str | tuple = "speed") -> Pacing:
     options = LocalOptions.check(Mode.LOCAL, every, delay, None, None, pacing=schedule)
     paced = Pacing(options)
     paced.join(0, replicas)
@@ -307,8 +307,13 @@ def test_the_patience() -> None:
 def test_the_patience_with_auto_sync_every() -> None:
     """sync_every="auto" (the default): a landing waits for the others' hand-overs PEER_PATIENCE of
     this replica's inner step (at least PEER_PATIENCE_SECONDS), then the replica goes on stepping
-    (the round waits for the link, not for a peer a little behind); a fixed sync_every waits as
-    long as it takes (its rounds are the recurrence's bit for bit); once paced apart, the plan's."""
+    (the round waits for the link, not for a peer a little behind), a blocking round or, with the
+    default landing, one hidden behind a step; a fixed sync_every, or a fixed sync_delay above 0,
+    waits as long as it takes (its rounds are the recurrence's bit for bit); once paced apart, the
+    plan's."""
+    assert pacing(every="auto", delay=None).patience(blocks=False) == PEER_PATIENCE_SECONDS  # hidden: the default landing
+    assert pacing(every="auto", delay=1).patience(blocks=False) is None  # a fixed sync_delay
+    assert pacing(every="auto", delay=1).patience(blocks=True) == PEER_PATIENCE_SECONDS
     auto = pacing(every="auto")
     assert auto.patience() == PEER_PATIENCE_SECONDS  # nothing timed yet
     auto.step_times.extend([(0.2, False)] * 8)
