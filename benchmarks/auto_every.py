@@ -100,6 +100,31 @@ def waiting(data: dict[str, Any], name: str = AUTO) -> list[float]:
             if "wait_share_by_rank" in r["methods"].get(name, {})]
 
 
+def loss_at(points: list[dict[str, Any]], updates: float) -> float | None:
+    """The held-out loss at ``updates`` inner updates, linear between a run's evaluations."""
+    pairs = [(p["updates"], p["loss"]) for p in points]
+    for (u0, l0), (u1, l1) in zip(pairs, pairs[1:]):
+        if u0 <= updates <= u1:
+            return l0 + (l1 - l0) * (updates - u0) / max(1, u1 - u0)
+    return None
+
+
+def per_update(data: dict[str, Any], name: str) -> list[float]:
+    """Per seed, the defaults' held-out loss over ``name``'s at the same number of inner updates
+    (the fewer of the two runs'), less 1: what they train per update, their speed left out (a
+    fixed H's run is the same trajectory at every link, its loss a function of its updates)."""
+    gaps = []
+    for r in data["runs"]:
+        mine, other = r["methods"].get(AUTO), r["methods"].get(name)
+        if not mine or not other or "points" not in mine or "points" not in other:
+            continue
+        updates = min(mine["updates"], other["updates"])
+        a, b = loss_at(mine["points"], updates), loss_at(other["points"], updates)
+        if a is not None and b:
+            gaps.append(a / b - 1)
+    return gaps
+
+
 def compare(data: dict[str, Any]) -> dict[str, Any]:
     """Medians over the seeds; the best fixed H; the defaults' gap to it and to H = 4; the H they
     chose; rank 0's waiting."""
@@ -114,6 +139,7 @@ def compare(data: dict[str, Any]) -> dict[str, Any]:
         out["ahead_of_every_fixed"] = all(median[AUTO] < v for v in fixed.values())
         out["chosen"] = [r["methods"][AUTO].get("round_every", []) for r in data["runs"] if AUTO in r["methods"]]
         out["waiting"] = {name: waiting(data, name) for name in METHODS if name in median}
+        out["per_update"] = {name: per_update(data, name) for name in METHODS[1:] if name in median}
         waits = out["waiting"][AUTO]
         out["met"] = out["gap_to_best"] <= WITHIN and bool(waits) and statistics.median(waits) <= MOST_WAITING
     return out
@@ -190,15 +216,21 @@ def report(results_dir: Path = common.RESULTS_DIR) -> str:
                 return "-"
             return f"{100 * statistics.median(values):.1f} ({'/'.join(f'{100 * w:.1f}' for w in values)})"
 
-        rows.append([setting, *cells, gap, today, shares(AUTO), shares(TODAY),
+        same = c.get("per_update", {}).get(TODAY, [])
+        equal = "-" if not same else (f"{100 * statistics.median(same):+.1f}% "
+                                      f"({'/'.join(f'{100 * g:+.1f}' for g in same)})")
+        rows.append([setting, *cells, gap, today, equal, shares(AUTO), shares(TODAY),
                      chosen_text(c.get("chosen", [])[:1])])
     header = ["link", "defaults", *(f"H = {h}" for h in FIXED), "defaults vs best fixed", "defaults vs H = 4",
-              "rank 0 waiting, defaults: % median (per seed)", "rank 0 waiting, H = 4", "H the defaults chose (seed 1337)"]
+              "defaults vs H = 4 at equal updates: median (per seed)", "rank 0 waiting, defaults: % median (per seed)",
+              "rank 0 waiting, H = 4", "H the defaults chose (seed 1337)"]
     text = (f"Median final held-out loss over seeds {', '.join(SEEDS)} (fewer: their number in brackets), "
             f"{BUDGET_S} s per method, 2 ranks, the time-to-loss GPT (0.83M); `defaults` is `mode=\"local\"` as "
             "it comes (`sync_every=\"auto\"`, the default landing, 4-bit rounds, plain averaging), `H = N` the same at a fixed "
             "H (blocking); best fixed H in bold; rank 0's share of the wall time its `step()` waited for outer "
-            "rounds (`RoundStats.wait_seconds` and `patience_seconds`). Commands: `sudo $(which python) "
+            "rounds (`RoundStats.wait_seconds` and `patience_seconds`); at equal updates: the defaults' held-out loss over "
+            "H = 4's at the fewer of the two runs' inner updates, per seed (a fixed H's trajectory is the same at "
+            "every link: its loss is a function of its updates). Commands: `sudo $(which python) "
             "benchmarks/auto_every.py SETTING`.\n\n" + common.md_table(header, rows))
     fig = figure(data, results_dir)
     if fig:
