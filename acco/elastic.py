@@ -69,7 +69,7 @@ from torch import Tensor
 
 from acco.collectives import ReconfigurableCollectives
 from acco.legs import QuantizedLegs
-from acco.quantize import BlockCodec
+from acco.quantize import BlockCodec, TopKCodec
 from acco.outer_round import OuterRunner, OuterShard, RoundRefused, Seating
 from acco.replicas import HandOver, ReplicaReport
 from acco.sharding import ShardedGroup, ShardPlan, plan_layout, Layout
@@ -384,7 +384,7 @@ class ElasticRunner(OuterRunner):
         membership: TorchFT,
         groups: Sequence[ShardedGroup],
         global_values: Sequence[Tensor],
-        codec: BlockCodec,
+        codec: BlockCodec | TopKCodec,
         error_feedback: bool,
         outer_optimizer: Callable[..., torch.optim.Optimizer],
         heal_state: Callable[[], dict[str, Any]],

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from acco.collectives import Collectives
-from acco.quantize import BlockCodec, RowBlocks
+from acco.quantize import BlockCodec, RowBlocks, TopKCodec
 from acco.sharding import ShardedGroup
 
 __all__ = ["PlainLegs", "QuantizedLegs"]
@@ -20,8 +20,9 @@ __all__ = ["PlainLegs", "QuantizedLegs"]
 
 class QuantizedLegs:
     """An outer round's two legs below 32 bits (``outer_bits``; docs/design.md, "Lighter
-    outer rounds"). Differences travel, never raw parameters, each encoded per block by a
-    :class:`~acco.quantize.BlockCodec`:
+    outer rounds") or sparse (``outer_topk``, "Sparse outer rounds"). Differences travel,
+    never raw parameters, each encoded per block by a :class:`~acco.quantize.BlockCodec` or
+    a :class:`~acco.quantize.TopKCodec`:
 
     - reduce: each rank's pseudo-gradient, the global values it holds minus its parameters
       (plus its residual: what quantising the previous ones dropped), one encoded row per
@@ -31,7 +32,8 @@ class QuantizedLegs:
       and all-gathered; every rank adds the decoded rows to its copy.
 
     So the copies (``global_values``) are identical on every rank, and each round's gather
-    carries the last one's rounding error along: they stay within one quantisation step of
+    carries what the last one did not deliver along (its rounding, or the values a sparse
+    round left out: the gather leg's error feedback is the master's lead over the copies): they stay within one quantisation step of
     the master shards, which keep full precision, as the outer optimizer's state does.
 
     Args:
@@ -42,7 +44,7 @@ class QuantizedLegs:
             buffer), or None: no error feedback.
     """
 
-    def __init__(self, codec: BlockCodec, global_values: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> None:
+    def __init__(self, codec: BlockCodec | TopKCodec, global_values: Sequence[Tensor], residuals: Sequence[Tensor] | None) -> None:
         self._codec = codec
         self._global_values = global_values
         self._residuals = residuals

@@ -44,7 +44,6 @@ from acco.options import BLOCK_OR_HIDE, LocalOptions, Mode, NonFinite, Options, 
 from acco.portable import full, per_param
 from acco.legs import QuantizedLegs
 from acco.outer_round import FixedRunner, OuterRound
-from acco.quantize import BlockCodec
 from acco.replicas import Pacing, ReplicaReport
 from acco.rounds import LaneRound
 from acco.sharding import ShardedGroup
@@ -121,12 +120,12 @@ class LocalLoop(Loop):
         if local.error_feedback and local.membership is None:
             self.residuals = [torch.zeros(g.plan.padded_numel, dtype=torch.float32, device=g.device) for g in parts.groups]
         if local.membership is None:
-            legs = None if local.outer_bits == 32 else QuantizedLegs(BlockCodec(local.outer_bits), self.global_values,
-                                                                     self.residuals)  # fmt: skip
+            codec = local.codec()
+            legs = None if codec is None else QuantizedLegs(codec, self.global_values, self.residuals)
             self.lane_work = FixedRunner(parts.groups, self.shard_optimizers, self.snapshot, legs,
                                          *parts.lane_work_args(), common_terms=self.common_terms)  # fmt: skip
         else:  # elastic replicas (torchft): the round among the replica groups present, sharded among them
-            self.lane_work = local.membership.runner(parts.groups, self.global_values, BlockCodec(local.outer_bits),
+            self.lane_work = local.membership.runner(parts.groups, self.global_values, local.codec(),
                                                      local.error_feedback, local.outer_optimizer, self.heal_state,
                                                      self.load_heal_state, *parts.lane_work_args())  # fmt: skip
         self.pacing = self.clock.pacing  # who takes part in a round, how many steps each: acco.replicas

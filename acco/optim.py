@@ -37,6 +37,7 @@ from acco.module_buffers import BufferPolicy, buffer_sync_for
 from acco.options import (
     DEFAULT_OUTER_BITS,
     DEFAULT_OUTER_ERROR_FEEDBACK,
+    DEFAULT_OUTER_TOPK,
     DEFAULT_OUTER_WEIGHTING,
     DEFAULT_PACING,
     DEFAULT_SYNC_DELAY,
@@ -197,7 +198,12 @@ class AccoOptimizer(torch.optim.Optimizer):
             top of the new global values) or ``"discard"`` (dropped: every replica takes the new
             global values; the default with any other outer optimizer).
         outer_bits / outer_error_feedback: ``local`` only: bits per value an outer round sends (4, the
-            default; 8, 16, 32), and below 16 whether what it drops goes with the next (default True).
+            default; 8, 16, 32; with ``outer_topk`` per value kept: 2, 4, 8, 16, 32), and below 16
+            (or with ``outer_topk``) whether what it drops goes with the next (default True).
+        outer_topk: ``local`` only: None (default: every value), or the share of each block of
+            4096 values of a parameter an outer round sends, the largest in magnitude (e.g.
+            ``1/64``): both legs sparse, still a reduce to each chunk's owner and a gather of
+            its change (docs/design.md, "Sparse outer rounds").
         pacing: ``local`` only: how many inner steps each replica takes per outer round:
             ``"speed"`` (default: in proportion to its measured speed, the fastest
             ``sync_every``, so no replica waits for another; replicas within 20% of the fastest
@@ -274,6 +280,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         pacing: str | Sequence[int] = DEFAULT_PACING,
         outer_weighting: str = DEFAULT_OUTER_WEIGHTING,
         membership: Any = None,
+        outer_topk: float | None = DEFAULT_OUTER_TOPK,
         **defaults: Any,
     ) -> None:
         # Everything is checked before the first collective, and no state exists until the
@@ -283,7 +290,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             reduce_dtype=reduce_dtype, timeout=timeout, estimate_dtype=estimate_dtype, buffers=buffers, module=module,
             sync_every=sync_every, sync_delay=sync_delay, overlap=overlap, outer_optimizer=outer_optimizer,
             outer_bits=outer_bits, outer_error_feedback=outer_error_feedback, pacing=pacing,
-            outer_weighting=outer_weighting, membership=membership)  # fmt: skip
+            outer_weighting=outer_weighting, membership=membership, outer_topk=outer_topk)  # fmt: skip
         loop_class = LOOPS[options.mode]
         groups = resolve_groups(params, optimizer_class, options.layout, loop_class.sharded_class(options))
         base_defaults = probe_defaults(optimizer_class, defaults)

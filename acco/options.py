@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from acco.sharding import Layout
 from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
-from acco.quantize import OUTER_BITS, check_estimate_dtype
+from acco.quantize import OUTER_BITS, TOPK_BITS, TOPK_BLOCK, BlockCodec, TopKCodec, check_estimate_dtype
 
 __all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK_OR_HIDE", "FIT", "FIXED", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
@@ -159,6 +159,9 @@ DEFAULT_OVERLAP = "estimate"
 # sent later.
 DEFAULT_OUTER_BITS = 4
 DEFAULT_OUTER_ERROR_FEEDBACK = True
+# The share of each block's values a sparse outer round sends (docs/design.md, "Sparse outer
+# rounds"); None: every value (a dense round).
+DEFAULT_OUTER_TOPK = None
 # How many inner steps each replica takes per outer round (docs/loops.md, "Replicas of different
 # speeds"): "speed" in proportion to its measured speed, the fastest sync_every, so that no replica
 # waits for another; "lockstep" sync_every each; or a fixed number per replica (reproducible).
@@ -177,6 +180,7 @@ MODE_ONLY: dict[str, tuple[Mode, Any]] = {
     "outer_optimizer": (Mode.LOCAL, None),
     "outer_bits": (Mode.LOCAL, DEFAULT_OUTER_BITS),
     "outer_error_feedback": (Mode.LOCAL, DEFAULT_OUTER_ERROR_FEEDBACK),
+    "outer_topk": (Mode.LOCAL, DEFAULT_OUTER_TOPK),
     "pacing": (Mode.LOCAL, DEFAULT_PACING),
     "outer_weighting": (Mode.LOCAL, DEFAULT_OUTER_WEIGHTING),
     "membership": (Mode.LOCAL, None),
@@ -222,6 +226,7 @@ class LocalOptions:
     membership: Any = None
     auto_every: tuple[int, int] | None = None
     landing: str = FIXED
+    outer_topk: float | None = DEFAULT_OUTER_TOPK
 
     def describe(self) -> list[str]:
         """The resolved settings, one ``"name: value"`` each (``repr(opt)``, and the line logged
@@ -235,6 +240,7 @@ class LocalOptions:
             f"overlap: {self.overlap.value}",
             f"outer_optimizer: {self.outer_class.__name__}({outer})",
             f"outer_bits: {self.outer_bits}",
+            *([f"outer_topk: {self.outer_topk:g}"] if self.outer_topk is not None else []),
             f"outer_error_feedback: {self.error_feedback}",
             f"pacing: {list(self.pacing) if isinstance(self.pacing, tuple) else self.pacing}",
             f"outer_weighting: {self.outer_weighting.value}",
@@ -243,8 +249,16 @@ class LocalOptions:
 
     @property
     def error_feedback(self) -> bool:
-        """Each rank keeps what quantising its pseudo-gradient dropped (below 16 bits)."""
-        return self.outer_error_feedback and self.outer_bits < 16
+        """Each rank keeps what its round did not send of its pseudo-gradient (below 16 bits:
+        the rounding; with ``outer_topk``: the values left out too)."""
+        return self.outer_error_feedback and (self.outer_bits < 16 or self.outer_topk is not None)
+
+    def codec(self) -> BlockCodec | TopKCodec | None:
+        """The encoding of both legs of an outer round; None: a dense round at 32 bits (the
+        parameters themselves reduce-scattered)."""
+        if self.outer_topk is not None:
+            return TopKCodec(self.outer_topk, self.outer_bits)
+        return None if self.outer_bits == 32 else BlockCodec(self.outer_bits)
 
     @property
     def auto_delay(self) -> bool:
@@ -272,7 +286,7 @@ class LocalOptions:
     def check(cls, mode: Mode, sync_every: Any, sync_delay: Any, overlap: Any, outer_optimizer: Any,
               outer_bits: Any = DEFAULT_OUTER_BITS, outer_error_feedback: Any = DEFAULT_OUTER_ERROR_FEEDBACK,
               pacing: Any = DEFAULT_PACING, outer_weighting: Any = DEFAULT_OUTER_WEIGHTING, membership: Any = None,
-              ) -> LocalOptions | None:  # fmt: skip
+              outer_topk: Any = DEFAULT_OUTER_TOPK) -> LocalOptions | None:  # fmt: skip
         """The options of ``mode="local"`` (None in another mode: :func:`ignore_other_modes`
         has set them aside); ``ValueError`` / ``TypeError`` naming a bad value."""
         if mode is not Mode.LOCAL:
@@ -318,10 +332,13 @@ class LocalOptions:
         outer_bits = DEFAULT_OUTER_BITS if outer_bits is None else outer_bits
         if outer_error_feedback is None:
             outer_error_feedback = DEFAULT_OUTER_ERROR_FEEDBACK
-        if isinstance(outer_bits, bool) or outer_bits not in OUTER_BITS:
+        topk = _check_outer_topk(outer_topk)
+        allowed = OUTER_BITS if topk is None else TOPK_BITS
+        if isinstance(outer_bits, bool) or outer_bits not in allowed:
             raise ValueError(
-                f"Invalid outer_bits: {outer_bits!r} (one of {', '.join(map(str, OUTER_BITS))}: bits per value an outer "
-                "round sends, scales included)"
+                f"Invalid outer_bits: {outer_bits!r} (one of {', '.join(map(str, allowed))}: bits per value an outer "
+                + ("round sends, scales included" if topk is None else "round sends of each value it keeps")
+                + ("; 2 with outer_topk)" if topk is None and outer_bits == 2 else ")")
             )
         if not isinstance(outer_error_feedback, bool):
             raise ValueError(f"Invalid outer_error_feedback: {outer_error_feedback!r} (a bool)")
@@ -333,7 +350,7 @@ class LocalOptions:
         weighting = parse_enum(Weighting, DEFAULT_OUTER_WEIGHTING if outer_weighting is None else outer_weighting,
                                "outer_weighting")  # fmt: skip
         if membership is not None:
-            _check_membership(membership, delay, paced, int(outer_bits), type(probe))
+            _check_membership(membership, delay, paced, int(outer_bits), type(probe), topk)
         shown = tuple((name, probe.defaults[name]) for name in _OUTER_SHOWN if name in probe.defaults)
         landing = FIXED
         if auto_every is not None and delay == AUTO:
@@ -341,7 +358,17 @@ class LocalOptions:
         elif auto_every is not None and sync_delay is None and membership is None and estimate is not None:
             landing = BLOCK_OR_HIDE  # (a round a step late keeps that step: the estimate rule's)
         return cls(every, delay, chosen, outer, type(probe), int(outer_bits), outer_error_feedback, estimate, paced,
-                   weighting, shown, membership, auto_every, landing)  # fmt: skip
+                   weighting, shown, membership, auto_every, landing, topk)  # fmt: skip
+
+
+def _check_outer_topk(outer_topk: Any) -> float | None:
+    """None (every value) or the share of each block's values a round sends, in (0, 1)."""
+    if outer_topk is None:
+        return None
+    if isinstance(outer_topk, bool) or not isinstance(outer_topk, (int, float)) or not 0 < outer_topk < 1:
+        raise ValueError(f"Invalid outer_topk: {outer_topk!r} (None: every value; or the share of each block of "
+                         f"{TOPK_BLOCK} values an outer round sends, in (0, 1), e.g. 1/64)")  # fmt: skip
+    return float(outer_topk)
 
 
 def _check_sync_every(sync_every: Any) -> tuple[int, tuple[int, int] | None]:
@@ -359,7 +386,8 @@ def _check_sync_every(sync_every: Any) -> tuple[int, tuple[int, int] | None]:
                      "(\"auto\", lo, hi) with 1 <= lo <= hi: chosen from the link and the step time)")
 
 
-def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int, outer_class: type) -> None:
+def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits: int, outer_class: type,
+                      outer_topk: float | None) -> None:
     """Elastic rounds (:mod:`acco.elastic`): blocking, paced by speed or in lockstep (no fixed
     schedule: the participants change), quantised (torchft's gloo
     group has all-to-all and all-gather, no reduce-scatter), an element-wise outer optimizer (it
@@ -374,9 +402,9 @@ def _check_membership(membership: Any, sync_delay: Any, pacing: Any, outer_bits:
     if pacing not in (SPEED, LOCKSTEP):
         raise ValueError(f"Invalid pacing with membership: {pacing!r} ('speed' or 'lockstep': a schedule per replica "
                          "cannot follow the replica groups present, which change from round to round)")  # fmt: skip
-    if outer_bits == 32:
+    if outer_bits == 32 and outer_topk is None:
         raise ValueError("Invalid outer_bits with membership: 32 (elastic rounds send quantised differences over "
-                         "all-to-all and all-gather: 16, 8 or 4)")  # fmt: skip
+                         "all-to-all and all-gather: 16, 8 or 4; 32 with outer_topk)")  # fmt: skip
 
 
 def _check_pacing(pacing: Any, sync_every: int, sync_delay: int | str) -> str | tuple[int, ...]:
@@ -434,6 +462,7 @@ class Options:
         pacing: Any = DEFAULT_PACING,
         outer_weighting: Any = DEFAULT_OUTER_WEIGHTING,
         membership: Any = None,
+        outer_topk: Any = DEFAULT_OUTER_TOPK,
     ) -> Options:
         """The options, or ``TypeError`` / ``ValueError`` naming the bad value (``module``
         is checked, not kept). The arguments of another mode are ignored, with one warning
@@ -446,7 +475,7 @@ class Options:
         given = ignore_other_modes(checked_mode, {
             "estimate_dtype": estimate_dtype, "sync_every": sync_every, "sync_delay": sync_delay, "overlap": overlap,
             "outer_optimizer": outer_optimizer, "outer_bits": outer_bits, "outer_error_feedback": outer_error_feedback,
-            "pacing": pacing, "outer_weighting": outer_weighting, "membership": membership,
+            "pacing": pacing, "outer_weighting": outer_weighting, "membership": membership, "outer_topk": outer_topk,
         })  # fmt: skip
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -458,7 +487,7 @@ class Options:
         local = LocalOptions.check(
             checked_mode, given["sync_every"], given["sync_delay"], given["overlap"], given["outer_optimizer"],
             given["outer_bits"], given["outer_error_feedback"], given["pacing"], given["outer_weighting"],
-            given["membership"],
+            given["membership"], given["outer_topk"],
         )  # fmt: skip
         quorum = getattr(given["membership"], "quorum_timeout", None)
         if local is not None and quorum is not None and not timeout > quorum:
@@ -499,7 +528,8 @@ class Options:
         """What every rank must have chosen alike, as text (checked at start-up)."""
         local = self.local and (self.local.sync_every, self.local.auto_every, self.local.sync_delay, self.local.landing,
                                 self.local.overlap.value,
-                                self.local.outer_class.__name__, self.local.outer_bits, self.local.error_feedback,
+                                self.local.outer_class.__name__, self.local.outer_bits, self.local.outer_topk,
+                                self.local.error_feedback,
                                 self.local.pacing, self.local.outer_weighting.value)  # fmt: skip
         return "|".join([self.mode.value, self.nonfinite.value, str(self.max_grad_norm), str(self.estimate_dtype), str(local)])
 

@@ -6,8 +6,10 @@ rank. For the estimate round, 16-bit types are a plain cast, float8 types get on
 per row, so the row's largest magnitude maps to the type's largest finite value (float8 has
 no infinities to absorb an overflow: e4m3fn turns it into NaN).
 
-An outer round's rows go through :class:`BlockCodec`: a row of fp32 values becomes a row of
-bytes (the values, then their scales), so one collective of ``uint8`` carries both.
+An outer round's rows go through :class:`BlockCodec` (every value, ``outer_bits``) or
+:class:`TopKCodec` (the largest of each block, ``outer_topk``): a row of fp32 values becomes a
+row of bytes (values, scales, and the kept values' places), so one collective of ``uint8``
+carries them all.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["OUTER_BITS", "BlockCodec", "RowBlocks", "check_estimate_dtype", "dequantize_row", "needs_scale", "quantize_rows"]
+__all__ = ["OUTER_BITS", "TOPK_BITS", "TOPK_BLOCK", "BlockCodec", "RowBlocks", "TopKCodec", "check_estimate_dtype", "dequantize_row",
+           "needs_scale", "quantize_rows"]
 
-# What an outer round may send per value (docs/design.md, "Lighter outer rounds").
+# What an outer round may send per value (docs/design.md, "Lighter outer rounds"), and per kept
+# value with outer_topk (docs/design.md, "Sparse outer rounds").
 OUTER_BITS = (32, 16, 8, 4)
+TOPK_BITS = (32, 16, 8, 4, 2)
+TOPK_BLOCK = 4096  # values per block of a sparse round (SparseLoCo's chunks)
 
 
 def needs_scale(dtype: torch.dtype) -> bool:
@@ -106,6 +112,14 @@ class RowBlocks:
             row[start : start + count].copy_(flat[offset : offset + count])
         return row
 
+    def counts(self, block: int) -> Tensor:
+        """The values of each block (int64): ``block``, but a piece's last block may be short."""
+        counts = torch.full((self.blocks,), block, dtype=torch.int64)
+        for _, offset, count in self.pieces:
+            if count % block:
+                counts[(offset + count) // block] = count % block
+        return counts
+
 
 class BlockCodec:
     """Rows of values as rows of bytes: ``bits`` per value (16: bf16; 8: int8; 4: int4, two
@@ -170,3 +184,110 @@ class BlockCodec:
         else:
             values = values.view(torch.int8)
         return blocks.scatter(values.float().view(blocks.blocks, self.block).mul_(scales[:, None]))
+
+
+class TopKCodec:
+    """Rows of values as the largest magnitudes of each block (``outer_topk``; docs/design.md,
+    "Sparse outer rounds"): of a block's n values the ``ceil(fraction n)`` largest in
+    magnitude travel, each as its place in the block (16 bits) and its value, the rest decode
+    to zero (error feedback keeps them for later rounds). Blocks are :class:`RowBlocks`'s, of
+    ``block`` values, so they never straddle two parameters or two ranks' chunks (nor FSDP2's
+    shards, which are those chunks on a mesh).
+
+    Kept values: 32 bits as they are, 16 as bf16; 8, 4 and 2 as one of ``2 ** bits`` levels
+    spread evenly over [-s, s], s the block's largest magnitude rounded to bf16 (one bf16
+    scale per block): level q in [-L, L - 1] (L = 2 ** (bits - 1)) decodes to (q + 1/2) s / L,
+    the middle of its step, as kept values are the large ones (no level is wasted on zero).
+
+    Args:
+        fraction: the share of each block's values kept, in (0, 1].
+        bits: 32, 16, 8, 4 or 2 per kept value.
+        block: values per block (at most 65536: a place is 16 bits).
+    """
+
+    def __init__(self, fraction: float, bits: int, block: int = TOPK_BLOCK) -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"Invalid fraction: {fraction!r} (in (0, 1])")
+        if bits not in TOPK_BITS:
+            raise ValueError(f"Invalid bits: {bits!r} (one of {', '.join(map(str, TOPK_BITS))})")
+        if not 1 <= block <= 1 << 16:
+            raise ValueError(f"Invalid block: {block!r} (1 to 65536 values: a place in a block is 16 bits)")
+        self.fraction = fraction
+        self.bits = bits
+        self.block = block
+
+    def kept(self, blocks: RowBlocks) -> Tensor:
+        """How many values each block keeps (int64): ``ceil(fraction n)`` of its n, at least one."""
+        counts = blocks.counts(self.block)
+        return torch.ceil(counts.double() * self.fraction).long().clamp_(1).minimum(counts)
+
+    def _layout(self, kept: Tensor) -> tuple[int, int, int, int]:
+        """Byte offsets in a row: (places, values, scales, end), every part aligned to its type."""
+        n = int(kept.sum())
+        if self.bits > 8:  # the values (fp32 first: aligned), then their places
+            places, values, scales, end = n * self.bits // 8, 0, 0, n * self.bits // 8 + 2 * n
+        else:  # the blocks' bf16 scales, the places, then the values' codes packed in bytes
+            places, values, scales = 2 * kept.numel(), 2 * kept.numel() + 2 * n, 0
+            end = values + math.ceil(n * self.bits / 8)
+        return places, values, scales, -(-end // 4) * 4  # (rows of whole words: the next row's stay aligned)
+
+    def row_bytes(self, blocks: RowBlocks) -> int:
+        """Bytes of one encoded row."""
+        return self._layout(self.kept(blocks))[3]
+
+    def encode(self, row: Tensor, blocks: RowBlocks) -> Tensor:
+        """``row`` (1-D, floating) as a new ``uint8`` tensor of :meth:`row_bytes`."""
+        kept = self.kept(blocks).to(row.device)
+        padded = blocks.gather(row, self.block)
+        counts = blocks.counts(self.block).to(row.device)
+        columns = torch.arange(self.block, device=row.device)
+        magnitude = padded.abs().masked_fill_(columns[None, :] >= counts[:, None], -1.0)  # padding never kept
+        most = int(kept.max())
+        top, places = magnitude.topk(most, dim=1)  # (largest first)
+        chosen = torch.arange(most, device=row.device)[None, :] < kept[:, None]
+        values = padded.gather(1, places)[chosen]
+        places = places[chosen]
+        offsets = self._layout(kept)
+        out = torch.zeros(offsets[3], dtype=torch.uint8, device=row.device)
+        out[offsets[0] : offsets[0] + 2 * places.numel()].copy_(places.to(torch.int32).to(torch.int16).view(torch.uint8))
+        if self.bits == 32:
+            encoded = values.float().view(torch.uint8)
+        elif self.bits == 16:
+            encoded = values.to(torch.bfloat16).view(torch.uint8)
+        else:
+            scales = top[:, 0].clamp(min=0).to(torch.bfloat16)
+            out[offsets[2] : offsets[2] + 2 * scales.numel()].copy_(scales.view(torch.uint8))
+            half = 1 << (self.bits - 1)
+            steps = (scales.float() / half).repeat_interleave(kept)
+            # A block whose scale is 0 holds zeros: its levels decode to 0 whatever they are.
+            levels = torch.floor(values / torch.where(steps > 0, steps, 1.0)).clamp_(-half, half - 1)
+            codes = (levels + half).to(torch.uint8)  # in [0, 2 ** bits)
+            per_byte = 8 // self.bits
+            codes = torch.cat([codes, codes.new_zeros(-codes.numel() % per_byte)]).view(-1, per_byte)
+            encoded = codes[:, 0].clone()
+            for i in range(1, per_byte):  # the first value in the low bits
+                encoded |= codes[:, i] << (i * self.bits)
+        out[offsets[1] : offsets[1] + encoded.numel()].copy_(encoded)
+        return out
+
+    def decode(self, row: Tensor, blocks: RowBlocks) -> Tensor:
+        """One encoded row back as fp32 values, zero where nothing was kept (a new tensor)."""
+        kept = self.kept(blocks).to(row.device)
+        n = int(kept.sum())
+        offsets = self._layout(kept)
+        places = row[offsets[0] : offsets[0] + 2 * n].view(torch.int16).to(torch.int64) & 0xFFFF
+        if self.bits == 32:
+            values = row[offsets[1] : offsets[1] + 4 * n].view(torch.float32).clone()
+        elif self.bits == 16:
+            values = row[offsets[1] : offsets[1] + 2 * n].view(torch.bfloat16).float()
+        else:
+            scales = row[offsets[2] : offsets[2] + 2 * kept.numel()].view(torch.bfloat16).float()
+            half, per_byte = 1 << (self.bits - 1), 8 // self.bits
+            packed = row[offsets[1] : offsets[1] + math.ceil(n * self.bits / 8)]
+            mask = (1 << self.bits) - 1
+            codes = torch.stack([(packed >> (i * self.bits)) & mask for i in range(per_byte)], dim=-1).view(-1)[:n]
+            values = (codes.float() - half + 0.5) * (scales / half).repeat_interleave(kept)
+        first = torch.arange(kept.numel(), device=row.device).repeat_interleave(kept) * self.block
+        flat = torch.zeros(blocks.blocks * self.block, dtype=torch.float32, device=row.device)
+        flat[first + places] = values
+        return blocks.scatter(flat.view(blocks.blocks, self.block))

@@ -105,12 +105,12 @@ METHODS: dict[str, MethodSpec] = {
 @dataclass(frozen=True)
 class LocalSpec:
     """A local-steps method's name, parsed:
-    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-noef][-olrX][-momX][-hb][-lockstep|-speed]
+    ``local-hH[-dD|-dauto][-discard|-keep|-estimate][-bB][-kN][-noef][-olrX][-momX][-hb][-lockstep|-speed]
     [-tokens|-equal|-normalized]`` (acco ``mode="local"``, library defaults for what is not named;
     ``H`` may be ``auto``: ``sync_every="auto"``, H chosen from the link and the step time, or
     ``default``: the library's default ``sync_every`` (and its outer optimizer for it);
     ``-lockstep`` / ``-speed``: ``pacing``; ``-tokens`` etc.: ``outer_weighting``; ``-bB``: ``outer_bits=B``,
-    ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
+    ``-kN``: ``outer_topk=1/N`` (sparse rounds), ``-noef``: ``outer_error_feedback=False``; ``-olrX`` / ``-momX``: the outer Nesterov SGD's lr
     and momentum, the other from the library's default; ``-hb``: heavy-ball momentum, not Nesterov's),
     ``diloco-hH[-olrX]`` (torchft's
     DiLoCo) or ``sdiloco-hH[-fP][-dD][-olrX]`` (torchft's Streaming DiLoCo: P fragments, each
@@ -126,6 +126,7 @@ class LocalSpec:
     nesterov: bool = True  # -hb: heavy-ball momentum instead (acco)
     fragments: int = 2
     outer_bits: int | None = None  # acco: None is the library's default
+    topk: int | None = None  # acco: outer_topk=1/topk (None: dense rounds)
     error_feedback: bool = True
     pacing: str | None = None  # acco: lockstep or speed (None: the library's default)
     weighting: str | None = None  # acco: tokens, equal or normalized (None: the library's default)
@@ -152,6 +153,8 @@ class LocalSpec:
                     spec = dataclasses.replace(spec, sync_delay="auto")
                 elif part.startswith("b") and kind == "local":
                     spec = dataclasses.replace(spec, outer_bits=int(part[1:]))
+                elif part.startswith("k") and kind == "local":
+                    spec = dataclasses.replace(spec, topk=int(part[1:]))
                 elif part == "noef" and kind == "local":
                     spec = dataclasses.replace(spec, error_feedback=False)
                 elif part.startswith("olr"):
@@ -181,6 +184,7 @@ class LocalSpec:
                     f"{self.sync_delay or 0}{olr}")
         h = "default" if self.sync_every is None else self.sync_every
         bits = "" if self.outer_bits is None else f", {self.outer_bits} bits"
+        bits += "" if self.topk is None else f", top 1/{self.topk}"
         bits += "" if self.error_feedback else " without error feedback"
         bits += "" if self.pacing is None else f", pacing {self.pacing}"
         bits += "" if self.weighting is None else f", {self.weighting} weights"
@@ -639,6 +643,8 @@ class AccoLocalMethod(Method):
             options["overlap"] = local.overlap
         if local.outer_bits is not None:
             options["outer_bits"] = local.outer_bits
+        if local.topk is not None:
+            options["outer_topk"] = 1 / local.topk
         if not local.error_feedback:
             options["outer_error_feedback"] = False
         if local.pacing is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -231,6 +232,34 @@ def quantised(values: Tensor, bits: int, sizes: Sequence[int], row: int, block: 
     return out
 
 
+def sparsified(values: Tensor, fraction: float, bits: int, sizes: Sequence[int], row: int, block: int = 4096) -> Tensor:
+    """``values`` (the flat layout's padded buffer, fp32) as a sparse outer round
+    (``outer_topk=fraction, outer_bits=bits``; docs/design.md, "Sparse outer rounds") delivers
+    them: blocks cut as ``quantised``'s (of ``block`` values), each keeping its
+    ``ceil(fraction n)`` (at least 1) values largest in magnitude, the rest 0; kept values
+    exact at 32 bits, bf16 at 16, and below, with s the block's largest magnitude rounded to
+    bf16 and L = 2 ** (bits - 1), the middle of their step: (floor(v / (s / L)) clipped to
+    [-L, L - 1] + 1/2) s / L (0 where s is 0)."""
+    out = torch.zeros_like(values)
+    cuts = sorted(c for c in {0, *itertools.accumulate(sizes), *range(0, values.numel(), row)} if c <= sum(sizes))
+    for start, stop in zip(cuts, cuts[1:]):
+        for first in range(start, stop, block):
+            part = values[first : min(first + block, stop)]
+            order = sorted(range(part.numel()), key=lambda i: -abs(part[i].item()))
+            kept = order[: max(1, math.ceil(fraction * part.numel()))]
+            scale = torch.tensor(max(abs(part[i].item()) for i in kept)).bfloat16().float()
+            for i in kept:
+                if bits == 32:
+                    out[first + i] = part[i]
+                elif bits == 16:
+                    out[first + i] = part[i].bfloat16().float()
+                elif scale > 0:
+                    half = 2 ** (bits - 1)
+                    step = scale / half
+                    out[first + i] = (torch.floor(part[i] / step).clamp(-half, half - 1) + 0.5) * step
+    return out
+
+
 RECURRENCES: dict[str, Callable[..., Params]] = {
     "sync": sync_reference,
     "dpu": dpu_reference,
@@ -241,7 +270,8 @@ RECURRENCES: dict[str, Callable[..., Params]] = {
 def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequence[Sequence[RoundData]],
                     sync_every: int, sync_delay: int, overlap: str = "estimate", max_norm: float | None = None,
                     outer: Callable[[list[Tensor]], torch.optim.Optimizer] | None = None, outer_bits: int = 32,
-                    error_feedback: bool = True, weighting: str = "tokens", paced: bool = False) -> list[Params]:
+                    error_feedback: bool = True, weighting: str = "tokens", paced: bool = False,
+                    outer_topk: float | None = None) -> list[Params]:
     """mode="local" (docs/design.md, "Local steps"), every replica's parameters at the end.
 
     ``steps[t][m]``: replica m's micro-batches of inner step t, or None: replica m takes no
@@ -276,6 +306,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
     e_m = p_m - Q(p_m) (error feedback; else e_m = 0), x.grad = mean_m Q(p_m) (summed in fp32
     in replica order), the outer step, then c = c + Q(x - c).
     (p_m = e_m + c - theta_m in that order, as acco computes it: a level is a rounding.)
+    With ``outer_topk`` Q is ``sparsified`` (at every ``outer_bits``; error feedback at 32 too).
     """
     replicas = [Reference(init, optimizer, max_norm) for _ in steps[0]]
     x = [p.detach().clone().requires_grad_(True) for p in init.values()]
@@ -306,6 +337,12 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         return flat(parts, rows * chunk)
 
     copy_of_y = common_part()
+
+    def delivered(values: Tensor) -> Tensor:
+        """What one leg of an outer round delivers of ``values`` (flat, padded like c)."""
+        if outer_topk is not None:
+            return sparsified(values, outer_topk, outer_bits, sizes, chunk)
+        return quantised(values, outer_bits, sizes, chunk)
 
     # The share of a replica's last start offset (start - the x that corrected it) its next
     # estimate takes out of its pseudo-gradient: min(1, 0.7 / (lr a)) for a whole round of steps
@@ -353,7 +390,7 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
             flight_from = starts(handed)
             for ref, own in zip(replicas, flight_from):
                 ref.load(own)
-        if outer_bits == 32:
+        if outer_bits == 32 and outer_topk is None:
             with torch.no_grad():
                 for i, name in enumerate(names):
                     thetas = [h[name] if f is None else f[m] * h[name] for m, h in enumerate(handed)]
@@ -366,8 +403,8 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         total = torch.zeros(rows * chunk)
         for m, own in enumerate(handed):
             payload = residuals[m] + copy_of_x - flat(list(own.values()), rows * chunk)  # the library's order
-            sent = quantised(payload, outer_bits, sizes, chunk)
-            if error_feedback and outer_bits < 16:
+            sent = delivered(payload)
+            if error_feedback and (outer_bits < 16 or outer_topk is not None):
                 residuals[m] = payload - sent
             total += sent if f is None else f[m] * sent
         for i, grad in enumerate(unflat(total / rows, shapes)):
@@ -375,8 +412,8 @@ def local_reference(init: Params, optimizer: str | OptimizerFactory, steps: Sequ
         if merges:
             outer_opt.step()
         update = flat([p.detach() for p in x], rows * chunk) - copy_of_x
-        copy_of_x = copy_of_x + quantised(update, outer_bits, sizes, chunk)
-        copy_of_y = copy_of_y + quantised(common_part() - copy_of_y, outer_bits, sizes, chunk)
+        copy_of_x = copy_of_x + delivered(update)
+        copy_of_y = copy_of_y + delivered(common_part() - copy_of_y)
         return n, dict(zip(names, unflat(copy_of_x, shapes))), flight_from
 
     def land(flight: tuple[int, Params, list[Params]], keep: bool) -> bool:

@@ -95,7 +95,7 @@ _SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name, so tools that look f
 _ACCO_SIGNATURE = inspect.signature(AccoOptimizer.__init__).parameters
 # mode="local"'s own arguments.
 _LOCAL_KWARGS = ("sync_every", "sync_delay", "overlap", "outer_optimizer", "outer_bits", "outer_error_feedback", "pacing",
-                 "outer_weighting")
+                 "outer_weighting", "outer_topk")
 _ACCO_KWARGS = ("layout", "param_dtype", "reduce_dtype", "nonfinite", "timeout", "buffers", *_LOCAL_KWARGS)
 # Scheduler types the Trainer steps with a metric after evaluation, not once per update.
 _METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
@@ -141,7 +141,7 @@ class AccoTrainer(Trainer):
         acco_kwargs: further ``AccoOptimizer`` arguments: ``layout``, ``param_dtype``,
             ``reduce_dtype``, ``nonfinite``, ``timeout``, ``buffers``; with
             ``acco_mode="local"`` also ``sync_every``, ``sync_delay``, ``overlap``,
-            ``outer_optimizer``, ``outer_bits``, ``outer_error_feedback``. Checked as
+            ``outer_optimizer``, ``outer_bits``, ``outer_topk``, ``outer_error_feedback``. Checked as
             ``AccoOptimizer`` checks them, here.
         *args, **kwargs: those of ``transformers.Trainer``.
 

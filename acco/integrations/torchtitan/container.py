@@ -108,7 +108,12 @@ class AccoOptimizersContainer(OptimizersContainer):
         one step after the launch), else 0."""
 
         outer_bits: int = DEFAULT_OUTER_BITS
-        """mode='local': bits per value an outer round sends (4, 8, 16 or 32)."""
+        """mode='local': bits per value an outer round sends (4, 8, 16 or 32; with outer_topk
+        per value kept: 2, 4, 8, 16 or 32)."""
+
+        outer_topk: float | None = None
+        """mode='local': the share of each block of 4096 values an outer round sends, the
+        largest (e.g. 0.015625 for 1/64); None (the default): every value."""
 
         outer_lr: float | None = None
         """mode='local': the outer SGD's learning rate (None: acco's default)."""
@@ -159,7 +164,7 @@ class AccoOptimizersContainer(OptimizersContainer):
                 if every == AUTO:
                     every = (AUTO, *self.sync_every_bounds)
                 kwargs.update(sync_every=every, sync_delay=self.sync_delay, outer_bits=self.outer_bits,
-                              pacing=LOCKSTEP)
+                              outer_topk=self.outer_topk, pacing=LOCKSTEP)
                 if self.outer_lr is not None or self.outer_momentum is not None:  # the rest from acco's default
                     outer = default_outer(self.sync_every, elastic=self.elastic).keywords
                     momentum = outer["momentum"] if self.outer_momentum is None else self.outer_momentum
