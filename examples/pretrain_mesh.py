@@ -104,8 +104,8 @@ def acco_local_bytes(
             also under FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, whose
             sharded parameters stay fp32.
         sync_delay / overlap / outer_bits / error_feedback / landing: the resolved local-mode
-            options (``opt.options.local``; ``error_feedback``: ``outer_error_feedback`` below 16
-            bits; ``landing``: ``"block-or-hide"``, the default with ``sync_every="auto"``, lands
+            options (``opt.options.local``; ``error_feedback``: a residual kept, ``outer_error_feedback``
+            below 16 bits or with ``outer_topk``; ``landing``: ``"block-or-hide"``, the default with ``sync_every="auto"``, lands
             rounds a step late too).
         launched: an outer round has been launched (the round's buffer exists from the first).
         outer_common: the outer step has a part every replica shares other than the global
@@ -131,7 +131,7 @@ def acco_local_bytes(
             terms["master_grad"] += chunk * master_bytes
         if replicas == 1:  # nothing to communicate: the new values land in a buffer of their own
             terms["gathered"] += model_size
-        if error_feedback and outer_bits < 16:  # what quantising the pseudo-gradients dropped, fp32
+        if error_feedback:  # what a round did not send of the pseudo-gradients (rounding, or top-k), fp32
             terms["outer_residual"] += padded * 4
         if overlaps and overlap in ("keep", "estimate") and launched:  # the start of the round in flight
             terms["handed_over"] += model_size

@@ -141,6 +141,7 @@ def formula_rank(shape: tuple[int, int], bf16_params: bool, options: dict) -> di
 
 CASES = {
     "blocking-4bit": ((2, 2), False, {"sync_delay": 0, "outer_bits": 4, "outer_error_feedback": True}),
+    "blocking-sparse-2bit": ((2, 2), False, {"sync_delay": 0, "outer_bits": 2, "outer_topk": 1 / 64}),
     "estimate": ((2, 2), False, {"sync_delay": 1, "overlap": "estimate"}),
     "keep-32bit": ((2, 2), False, {"sync_delay": 1, "overlap": "keep", "outer_bits": 32}),
     "discard-8bit-no-feedback": ((2, 2), False, {"sync_delay": 1, "overlap": "discard", "outer_bits": 8,
@@ -160,7 +161,8 @@ def test_the_formula_is_buffer_bytes_term_by_term(ranks, case) -> None:
         # (padded to a multiple of R), b = 4: blocking 4-bit rounds (3b + 4) n + 4 n/R, the
         # estimate rule b n more (its start; plain averaging, the default outer step, has no
         # common part to copy).
-        if case in ("blocking-4bit", "estimate"):
-            per_value = 16 if case == "blocking-4bit" else 20
+        # Sparse rounds (outer_topk) hold what 4-bit ones do: the outer state in 1/(R x S) shards.
+        if case in ("blocking-4bit", "blocking-sparse-2bit", "estimate"):
+            per_value = 20 if case == "estimate" else 16
             chunks = [math.ceil(n / replicas) for n in result["numels"]]
             assert sum(result["measured"].values()) == sum(per_value * c * replicas + 4 * c for c in chunks), result
