@@ -57,13 +57,15 @@ def lighthouse():
 
 
 def replica_rank(index: int, address: str, steps: int, results, fail_at: int | None = None,  # type: ignore[no-untyped-def]
-                 miss_at: int | None = None, checkpoint: tuple[str, str, int] | None = None) -> None:
+                 miss_at: int | None = None, checkpoint: tuple[str, str, int] | None = None,
+                 options: dict | None = None) -> None:
     """One replica group of one process: mode="local" with torchft's membership; ``fail_at``:
     replica 1's legs of that round (torchft's step) report a failure, as a local error would;
     ``miss_at``: replica 1 drops that round after torchft committed it everywhere (as a group
     the others landed a round without would be: the same step count, other global values);
     ``checkpoint``: ``("save", dir, k)``: stop after inner step k with a checkpoint of this group
-    in ``dir/replica-I`` (acco.checkpoint, no finish()); ``("resume", dir, k)``: start from it."""
+    in ``dir/replica-I`` (acco.checkpoint, no finish()); ``("resume", dir, k)``: start from it;
+    ``options``: further ``AccoOptimizer`` arguments."""
     from acco import checkpoint as acco_checkpoint
     from acco.elastic import TorchFT
 
@@ -84,7 +86,8 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
         model = make_model()
         cls, hp = OPTIMIZERS["adamw"]
         opt = AccoOptimizer(model, cls, mode="local", membership=membership, sync_every=H, sync_delay=0,
-                            pacing="lockstep", max_grad_norm=MAX_NORM, timeout=datetime.timedelta(seconds=90), **hp)
+                            pacing="lockstep", max_grad_norm=MAX_NORM, timeout=datetime.timedelta(seconds=90),
+                            **(options or {}), **hp)  # fmt: skip
         action, directory, first = checkpoint or (None, None, 0)
         if action == "resume":
             acco_checkpoint.load(Path(directory) / f"replica-{index}", opt, model)
@@ -106,10 +109,11 @@ def replica_rank(index: int, address: str, steps: int, results, fail_at: int | N
 
 
 def run_replicas(steps: int, fail_at: int | None = None, miss_at: int | None = None,
-                 checkpoint: tuple[str, str, int] | None = None) -> list[tuple]:
+                 checkpoint: tuple[str, str, int] | None = None, options: dict | None = None) -> list[tuple]:
     """Both replica groups in processes of their own, an in-process lighthouse: each one's
     (parameters, [(participants, dropped)] per round, outer rounds)."""
-    runs = [lambda address, results, i=i: (replica_rank, (i, address, steps, results, fail_at, miss_at, checkpoint))
+    runs = [lambda address, results, i=i: (replica_rank, (i, address, steps, results, fail_at, miss_at, checkpoint,
+                                                          options))
             for i in range(2)]  # fmt: skip
     outcome = dict((r[0], r[1:]) for r in with_lighthouse(runs, timeout=150))
     for index in range(2):
@@ -159,6 +163,23 @@ def test_rounds_without_failures_are_the_local_recurrence_at_4_bits() -> None:
     expected = local_reference(params_of(make_model()), "adamw", data, sync_every=H, sync_delay=0, max_norm=MAX_NORM,
                                outer_bits=4, outer=default_outer(H, elastic=True))[0]  # the elastic default  # fmt: skip
     assert_params_close(params0, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_rounds_without_failures_are_the_local_recurrence() -> None:
+    """The same with sparse rounds (``outer_topk=0.25`` at 2 bits): both legs of each elastic
+    round are the fixed group's sparse legs among the groups present."""
+    steps, sparse = 7, {"outer_topk": 0.25, "outer_bits": 2}
+    (params0, rounds0, _), (params1, _, _) = run_replicas(steps, options=sparse)
+    assert all(p == 2 and not dropped and not healed for p, dropped, healed in rounds0), rounds0
+    for name in params0:
+        assert torch.equal(params0[name], params1[name]), name
+    data = [[step_data(t, m) for m in range(2)] for t in range(steps)]
+    expected = local_reference(params_of(make_model()), "adamw", data, sync_every=H, sync_delay=0, max_norm=MAX_NORM,
+                               outer_bits=2, outer_topk=0.25, outer=default_outer(H, elastic=True))[0]  # fmt: skip
+    dense = local_reference(params_of(make_model()), "adamw", data, sync_every=H, sync_delay=0, max_norm=MAX_NORM,
+                            outer_bits=4, outer=default_outer(H, elastic=True))[0]  # fmt: skip
+    assert_params_close(params0, expected, rtol=1e-5, atol=1e-6)
+    assert max((expected[k] - dense[k]).abs().max() for k in expected) > 1e-4  # not the dense round
 
 
 def test_a_round_one_participant_failed_lands_nowhere() -> None:
