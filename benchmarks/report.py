@@ -26,6 +26,7 @@ import lightning_slow_link
 import local_quality
 import memory
 import profile_lanes
+import sparse_rounds
 import throughput
 import time_to_loss
 import two_nodes
@@ -57,6 +58,7 @@ def generate(results_dir: Path) -> dict[str, str]:
         default = [(stem, results[stem]["runtime_s"])] if "runtime_s" in results.get(stem, {}) else []
         runtime_rows += module.runtimes(results) if hasattr(module, "runtimes") else default
     blocks.update(auto_every.blocks(results_dir))  # time_to_loss.py's launches, its files named apart
+    blocks.update(sparse_rounds.blocks(results_dir))
     if target_rows:
         blocks["targets"] = md_table(["target", "measured", ""], [
             [t, m, "n/a" if met is None else ("met" if met else "**not met**")] for t, m, met in target_rows])
