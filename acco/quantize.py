@@ -27,6 +27,7 @@ __all__ = ["OUTER_BITS", "TOPK_BITS", "TOPK_BLOCK", "BlockCodec", "RowBlocks", "
 OUTER_BITS = (32, 16, 8, 4)
 TOPK_BITS = (32, 16, 8, 4, 2)
 TOPK_BLOCK = 4096  # values per block of a sparse round (SparseLoCo's chunks)
+_SORTED_BLOCKS = 256  # blocks sorted at once by TopKCodec.encode (1M values: 12 MB of temporaries)
 
 
 def needs_scale(dtype: torch.dtype) -> bool:
@@ -189,8 +190,10 @@ class BlockCodec:
 class TopKCodec:
     """Rows of values as the largest magnitudes of each block (``outer_topk``; docs/design.md,
     "Sparse outer rounds"): of a block's n values the ``ceil(fraction n)`` largest in
-    magnitude travel, each as its place in the block (16 bits) and its value, the rest decode
-    to zero (error feedback keeps them for later rounds). Blocks are :class:`RowBlocks`'s, of
+    magnitude travel (equal ones in the order of their places), each as its place in the block
+    (16 bits) and its value, the rest decode
+    to zero (error feedback keeps them for later rounds). Zeros never travel: a block with fewer
+    nonzero values fills its other slots with :data:`EMPTY`, no place (no level decodes to 0). Blocks are :class:`RowBlocks`'s, of
     ``block`` values, so they never straddle two parameters or two ranks' chunks (nor FSDP2's
     shards, which are those chunks on a mesh).
 
@@ -202,16 +205,18 @@ class TopKCodec:
     Args:
         fraction: the share of each block's values kept, in (0, 1].
         bits: 32, 16, 8, 4 or 2 per kept value.
-        block: values per block (at most 65536: a place is 16 bits).
+        block: values per block (at most 65535: a place is 16 bits, :data:`EMPTY` none).
     """
+
+    EMPTY = 0xFFFF
 
     def __init__(self, fraction: float, bits: int, block: int = TOPK_BLOCK) -> None:
         if not 0 < fraction <= 1:
             raise ValueError(f"Invalid fraction: {fraction!r} (in (0, 1])")
         if bits not in TOPK_BITS:
             raise ValueError(f"Invalid bits: {bits!r} (one of {', '.join(map(str, TOPK_BITS))})")
-        if not 1 <= block <= 1 << 16:
-            raise ValueError(f"Invalid block: {block!r} (1 to 65536 values: a place in a block is 16 bits)")
+        if not 1 <= block < self.EMPTY:
+            raise ValueError(f"Invalid block: {block!r} (1 to 65534 values: a place in a block is 16 bits)")
         self.fraction = fraction
         self.bits = bits
         self.block = block
@@ -243,10 +248,17 @@ class TopKCodec:
         columns = torch.arange(self.block, device=row.device)
         magnitude = padded.abs().masked_fill_(columns[None, :] >= counts[:, None], -1.0)  # padding never kept
         most = int(kept.max())
-        top, places = magnitude.topk(most, dim=1)  # (largest first)
+        # The largest first, equal magnitudes in the order of their places (decoded levels are
+        # often equal): a stable sort, a slice of blocks at a time (its indices are 8 bytes a value).
+        top = torch.empty((magnitude.shape[0], most), dtype=magnitude.dtype, device=row.device)
+        places = torch.empty((magnitude.shape[0], most), dtype=torch.int64, device=row.device)
+        for start in range(0, magnitude.shape[0], _SORTED_BLOCKS):
+            part = magnitude[start : start + _SORTED_BLOCKS].sort(dim=1, descending=True, stable=True)
+            top[start : start + _SORTED_BLOCKS] = part.values[:, :most]
+            places[start : start + _SORTED_BLOCKS] = part.indices[:, :most]
         chosen = torch.arange(most, device=row.device)[None, :] < kept[:, None]
         values = padded.gather(1, places)[chosen]
-        places = places[chosen]
+        places = places.masked_fill_(top <= 0, self.EMPTY)[chosen]  # (zeros and padding: no place)
         offsets = self._layout(kept)
         out = torch.zeros(offsets[3], dtype=torch.uint8, device=row.device)
         out[offsets[0] : offsets[0] + 2 * places.numel()].copy_(places.to(torch.int32).to(torch.int16).view(torch.uint8))
@@ -276,6 +288,7 @@ class TopKCodec:
         n = int(kept.sum())
         offsets = self._layout(kept)
         places = row[offsets[0] : offsets[0] + 2 * n].view(torch.int16).to(torch.int64) & 0xFFFF
+        sent = places != self.EMPTY
         if self.bits == 32:
             values = row[offsets[1] : offsets[1] + 4 * n].view(torch.float32).clone()
         elif self.bits == 16:
@@ -289,5 +302,5 @@ class TopKCodec:
             values = (codes.float() - half + 0.5) * (scales / half).repeat_interleave(kept)
         first = torch.arange(kept.numel(), device=row.device).repeat_interleave(kept) * self.block
         flat = torch.zeros(blocks.blocks * self.block, dtype=torch.float32, device=row.device)
-        flat[first + places] = values
+        flat[(first + places)[sent]] = values[sent]
         return blocks.scatter(flat.view(blocks.blocks, self.block))

@@ -236,7 +236,7 @@ def sparsified(values: Tensor, fraction: float, bits: int, sizes: Sequence[int],
     """``values`` (the flat layout's padded buffer, fp32) as a sparse outer round
     (``outer_topk=fraction, outer_bits=bits``; docs/design.md, "Sparse outer rounds") delivers
     them: blocks cut as ``quantised``'s (of ``block`` values), each keeping its
-    ``ceil(fraction n)`` (at least 1) values largest in magnitude, the rest 0; kept values
+    ``ceil(fraction n)`` (at least 1) values largest in magnitude but zeros, the rest 0; kept values
     exact at 32 bits, bf16 at 16, and below, with s the block's largest magnitude rounded to
     bf16 and L = 2 ** (bits - 1), the middle of their step: (floor(v / (s / L)) clipped to
     [-L, L - 1] + 1/2) s / L (0 where s is 0)."""
@@ -246,7 +246,9 @@ def sparsified(values: Tensor, fraction: float, bits: int, sizes: Sequence[int],
         for first in range(start, stop, block):
             part = values[first : min(first + block, stop)]
             order = sorted(range(part.numel()), key=lambda i: -abs(part[i].item()))
-            kept = order[: max(1, math.ceil(fraction * part.numel()))]
+            kept = [i for i in order[: max(1, math.ceil(fraction * part.numel()))] if part[i] != 0]
+            if not kept:
+                continue
             scale = torch.tensor(max(abs(part[i].item()) for i in kept)).bfloat16().float()
             for i in kept:
                 if bits == 32:
