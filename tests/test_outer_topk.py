@@ -17,9 +17,10 @@ import torch
 from acco import AccoOptimizer
 from acco.options import Options
 from acco.quantize import RowBlocks, TopKCodec
-from tests.helpers import assert_identical_across_ranks, assert_params_close, assert_params_equal, this_rank
-from tests.reference import make_model, params_of, sparsified
-from tests.test_local import H, build, expected, inner_step, resume_rank
+from tests.helpers import assert_identical_across_ranks, assert_params_close, assert_params_equal
+from tests.reference import make_model, sparsified
+from tests.test_local import H, expected, resume_rank
+from tests.test_outer_bits import run_rank
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,18 +51,6 @@ def test_codec_keeps_zero_blocks_zero_and_a_scale_of_zero_finite() -> None:
     for bits in (8, 4, 2):
         codec = TopKCodec(0.1, bits)
         assert torch.equal(codec.decode(codec.encode(torch.zeros(100), blocks), blocks), torch.zeros(100))
-
-
-def run_rank(steps: int, options: dict) -> dict:
-    rank = this_rank()
-    model = make_model(seed=rank)
-    opt = build(model, "adamw", layout="flat", **options)
-    for t in range(steps):
-        inner_step(opt, model, t, rank, True)
-    opt.finish()
-    return {"params": params_of(model), "bytes": [s.collective_bytes for s in opt.round_stats],
-            "padded": opt.shard_plans[0].padded_numel, "sizes": opt.buffer_bytes()[0],
-            "global": dict(zip(params_of(model), opt.global_parameters()[0]))}
 
 
 def longest_row(sizes: list[int], chunk: int, world_size: int, fraction: float, bits: int) -> int:
