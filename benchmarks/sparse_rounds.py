@@ -6,8 +6,8 @@ one ``time_to_loss.py`` launch (2 ranks, the time-to-loss GPT)::
     sudo $(which python) benchmarks/sparse_rounds.py 20mbit 50mbit   # 45 s per method, 3 seeds (timed: alone)
     python benchmarks/sparse_rounds.py --report       # docs/loops.md's tables
 
-``steps``: blocking rounds (``sync_delay=0``), H = 8, lockstep, 240 inner steps, seed 1337 (and
-``--seeds``): the 32-bit dense round, the default dense 4-bit one, and ``outer_topk`` 1/16,
+``steps``: blocking rounds (``sync_delay=0``), H = 8, lockstep, 240 inner steps, seed 1337 (or
+``--seeds 7 42``: their runs join the results file's): the 32-bit dense round, the default dense 4-bit one, and ``outer_topk`` 1/16,
 1/64 and 1/256 at 2 and 4 bits; the loopback's byte counter gives each round's bytes (every
 collective of the run, per outer round). ``20mbit`` / ``50mbit``: the dense 4-bit round and
 ``outer_topk=1/64`` at 2 bits, each at blocking H of 4, 8, 16 and 30, 45 s per method, seeds
@@ -53,11 +53,22 @@ def path_of(setting: str, results_dir: Path = common.RESULTS_DIR) -> Path:
 
 
 def run(setting: str, seeds: list[str] | None) -> None:
+    """One ``time_to_loss.py`` launch; runs of other seeds already in the results file are kept."""
+    out = path_of(setting)
+    fresh = out.with_suffix(".part.json")
     command = [sys.executable, str(common.BENCH_DIR / "time_to_loss.py"), *SETTINGS[setting], "--no-report",
-               "--out", str(path_of(setting))]
+               "--out", str(fresh)]
     if seeds:
         command += ["--seeds", *seeds]
     subprocess.run(command, check=True)
+    data = json.loads(fresh.read_text())
+    if out.exists():
+        ran = {r["seed"] for r in data["runs"]}
+        kept = [r for r in json.loads(out.read_text())["runs"] if r["seed"] not in ran]
+        data["runs"] = sorted(kept + data["runs"], key=lambda r: r["seed"] != 1337)
+        data["config"]["seeds"] = [r["seed"] for r in data["runs"]]
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    fresh.unlink()
 
 
 def name_of(method: str) -> str:
@@ -85,8 +96,22 @@ def steps_table(data: dict[str, Any]) -> str:
                          "-" if gap is None else f"{100 * gap:+.2f}%",
                          "-" if per_round is None else f"{per_round / 1e6:.3f}",
                          "-" if share is None else f"{share:.4f}"])
-    return common.md_table(["seed", "round", "held-out loss at 240 inner steps", "vs dense 4-bit",
-                            "loopback MB per outer round", "vs dense 32-bit"], rows)
+    table = common.md_table(["seed", "round", "held-out loss at 240 inner steps", "vs dense 4-bit",
+                             "loopback MB per outer round", "vs dense 32-bit"], rows)
+    gaps: dict[str, list[float]] = {}
+    for run_ in data["runs"]:
+        dense = run_["methods"].get(DENSE4, {}).get("final_loss")
+        for method in STEPS_METHODS:
+            final = run_["methods"].get(method, {}).get("final_loss")
+            if dense and final and method != DENSE4:
+                gaps.setdefault(method, []).append(final / dense - 1)
+    if len(data["runs"]) < 2:
+        return table
+    summary = common.md_table(
+        ["round", f"vs dense 4-bit, mean of {len(data['runs'])} seeds", "median", "range"],
+        [[name_of(m), f"{100 * statistics.mean(g):+.2f}%", f"{100 * statistics.median(g):+.2f}%",
+          f"{100 * min(g):+.2f}% to {100 * max(g):+.2f}%"] for m, g in gaps.items()])
+    return f"{table}\n\n{summary}"
 
 
 def timed_table(data: dict[str, Any]) -> str:
