@@ -26,7 +26,7 @@ from acco.module_buffers import BufferPolicy
 from acco.outer_step import LinearOuterStep
 from acco.quantize import OUTER_BITS, TOPK_BITS, TOPK_BLOCK, BlockCodec, TopKCodec, check_estimate_dtype
 
-__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK_OR_HIDE", "FIT", "FIXED", "DEFAULT_ELASTIC_OUTER", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
+__all__ = ["AUTO", "AUTO_EVERY_BOUNDS", "BLOCK_OR_HIDE", "FIT", "FIXED", "DEFAULT_OUTER", "DEFAULT_PACING", "HALF", "DEFAULT_OVERLAP", "DEFAULT_SYNC_DELAY", "DEFAULT_SYNC_EVERY", "DEFAULT_TIMEOUT", "LOCKSTEP", "LocalOptions", "MODE_ONLY", "Mode", "NonFinite", "Options", "Overlap", "RoundKind", "SPEED", "Weighting", "base_hyperparams", "build_base_optimizer", "check_estimate_dtypes", "choose_fused", "check_optimizer_class", "default_outer", "ignore_other_modes", "parse_enum", "probe_defaults", "resolve_groups"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -111,11 +111,6 @@ _NOT_HYPERPARAMS = ("params", "optimizer_class", "layout")
 # lr 1.0, plain averaging: as good as any, and a replica alone in a round (an elastic group lost)
 # moves the global values by its own progress, no more (an lr above 1 overshoots by its excess).
 DEFAULT_OUTER = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
-# Elastic replica groups (membership=) keep the damped outer step of 2026-11-27: with plain
-# averaging a killed and restarted group cost its job 1-6% of held-out loss (the stress tier's
-# rank-kill runs, median 2.5% above what the survivor's time alone explains; cause not found),
-# with this one -0.1% to +0.6% (docs/elastic.md, "Recovery, measured").
-DEFAULT_ELASTIC_OUTER = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.3, nesterov=True)
 # sync_every="auto", the default (acco.replicas.plan_sync_every): H is chosen at each landing from the
 # measured inner step time and the round's own time, so that waiting for rounds costs at most 4% of
 # the wall time, within these bounds unless given ("auto", lo, hi). The first rounds run the lower
@@ -126,12 +121,12 @@ AUTO_EVERY_BOUNDS = (4, 128)
 DEFAULT_SYNC_EVERY = "auto"
 
 
-def default_outer(sync_every: int | str, elastic: bool = False) -> functools.partial:
+def default_outer(sync_every: int | str) -> functools.partial:
     """The outer optimizer ``mode="local"`` uses unless given one, for ``sync_every`` inner
     steps per round, an int or ``"auto"`` (the same at H = 4, 8 and 30: docs/loops.md, "Local
-    steps against data-parallel"); ``elastic``: with ``membership=`` (replica groups that come and go: the
-    damped step their recovery was measured with, docs/elastic.md)."""
-    return DEFAULT_ELASTIC_OUTER if elastic else DEFAULT_OUTER
+    steps against data-parallel"), with elastic replica groups (``membership=``) too: a group
+    that rejoins costs no more than its absence (docs/elastic.md, "Recovery, measured")."""
+    return DEFAULT_OUTER
 
 
 # When an outer round lands: 0 at once (blocking DiLoCo), "auto" at the first inner step at which
@@ -305,7 +300,7 @@ class LocalOptions:
                 "an outer round overlaps; 0 blocks)"
             )
         chosen = parse_enum(Overlap, DEFAULT_OVERLAP if overlap is None else overlap, "overlap")
-        outer = default_outer(every, elastic=membership is not None) if outer_optimizer is None else outer_optimizer
+        outer = default_outer(every) if outer_optimizer is None else outer_optimizer
         if not callable(outer):
             raise TypeError(f"Invalid outer_optimizer: {outer!r} (a torch.optim.Optimizer class or a partial of one)")
         try:

@@ -62,7 +62,11 @@ SCENARIOS = {
     "late-kill": ["--replicas", "2", "--steps", "400"],
     "rank-kill": ["--replicas", "2", "--nproc-per-replica", "2", "--inner", "fsdp", "--steps", "400",
                   "--step-seconds", "0.02", "--sync-every", "10", "--micro-batches", "1"],
+    "rejoin": ["--replicas", "2", "--steps", "600", "--sync-every", "10", "--eval-batches", "64"],
 }
+COMPARED = ("rank-kill", "rejoin")  # also run uninterrupted and with group 0 alone, for the held-out loss
+REJOIN_AT = 0.25  # rejoin: replica 1 killed once it has taken this share of the job's inner steps
+REJOIN_MOST = 1.005  # rejoin: the held-out loss at most this much of group 0 alone's
 HOGS = 4  # the hogs scenario's busy processes, for all its runs (with --parallel 2: two runs beside them)
 LOSS_TOLERANCE = 0.02  # rank-kill: the held-out loss within 2% of expected_loss()
 
@@ -78,6 +82,15 @@ def wait_for_rounds(directory: Path, index: int, count: int, process: subprocess
     """Until group ``index`` has landed ``count`` rounds (False: the job ended first); no other
     deadline: on a busy machine starting the job alone can take minutes."""
     while len([r for r in records(directory, index) if not r.get("final") and not r["dropped"]]) < count:
+        if process.poll() is not None:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def wait_for_step(directory: Path, index: int, step: int, process: subprocess.Popen) -> bool:
+    """Until group ``index`` has recorded a round at inner step ``step`` or later (False: the job ended first)."""
+    while not any(r.get("inner_step", 0) >= step for r in records(directory, index) if not r.get("final")):
         if process.poll() is not None:
             return False
         time.sleep(0.02)
@@ -113,6 +126,12 @@ def run_once(scenario: str, directory: Path, extra: list[str], run: int | None =
                 victim = rng.randrange(len(pids))
                 os.kill(int(pids[victim]), signal.SIGKILL)
                 event = f"killed rank {victim} of replica 1"
+            elif scenario == "rejoin":
+                steps = int(SCENARIOS[scenario][SCENARIOS[scenario].index("--steps") + 1])
+                if wait_for_step(directory, 1, int(REJOIN_AT * steps), process):
+                    for pid in (directory / "replica-1.pid").read_text().split():
+                        os.kill(int(pid), signal.SIGKILL)
+                    event = f"killed replica 1 at {REJOIN_AT:.0%} of its steps"
             code = process.wait(timeout=900)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
@@ -168,7 +187,7 @@ def _run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str], pa
     reference: dict[str, Any] = {}
     solo: dict[str, Any] = {}
     referees: list[threading.Thread] = []
-    if scenario == "rank-kill":  # the same job uninterrupted, and group 0 alone, beside the first runs
+    if scenario in COMPARED:  # the same job uninterrupted, and group 0 alone, beside the first runs
         for kept, name, more in ((reference, "reference", []), (solo, "solo", ["--replicas", "1"])):
             (base / f"{scenario}-{name}").mkdir(parents=True, exist_ok=True)
             referees.append(threading.Thread(target=lambda kept=kept, name=name, more=more: kept.update(
@@ -203,7 +222,10 @@ def _run_scenario(scenario: str, runs: int, base: Path, extra: Sequence[str], pa
             result["restarted"] = result["restarts"].get(1, 0) >= 1
             known = None not in (result["eval_loss"], reference["eval_loss"], solo["eval_loss"])
             result["expected_loss"] = expected_loss(reference["eval_loss"], solo["eval_loss"], result["alone_share"]) if known else None
-            result["loss_within"] = known and abs(result["eval_loss"] - result["expected_loss"]) <= LOSS_TOLERANCE * result["expected_loss"]
+            if scenario == "rejoin":  # a rejoin costs no more than the absence: at most group 0 alone's loss
+                result["loss_within"] = known and result["eval_loss"] <= REJOIN_MOST * solo["eval_loss"]
+            else:
+                result["loss_within"] = known and abs(result["eval_loss"] - result["expected_loss"]) <= LOSS_TOLERANCE * result["expected_loss"]
             report(describe(result))
     return results
 
@@ -238,7 +260,8 @@ def main() -> None:
         mine = [r for r in results if r["scenario"] == scenario]
         good = sum(passed(r) for r in mine)
         print(f"{scenario}: {good} of {len(mine)} runs with identical groups and exit 0"
-              + (", the killed group restarted, held-out loss within 2% of the expected" if scenario == "rank-kill" else ""))
+              + (", the killed group restarted, held-out loss within 2% of the expected" if scenario == "rank-kill" else "")
+              + (f", the killed group restarted, held-out loss at most {REJOIN_MOST}x group 0 alone's" if scenario == "rejoin" else ""))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"benchmark": "elastic_stress", "runs": results}, indent=1) + "\n")

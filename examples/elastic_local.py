@@ -22,7 +22,8 @@ Per replica I, ``DIR/replica-I.pid`` holds the pids of its training processes (w
 rank order; rewritten at each restart), ``DIR/replica-I.jsonl`` one JSON object per outer round (``round``, ``inner_step``,
 ``participants``, ``loss``: the mean training loss of this replica since its last record,
 ``dropped``, ``content_heal``, ``counted``: this group's inner steps that the round's landed
-update included (0 where it took no part), ``seconds``, ``time``) and a last one with ``final`` and ``eval_loss``
+update included (0 where it took no part), ``report``: every participant's hand-over (steps,
+weights, seconds per step: what speed pacing plans the next round from), ``seconds``, ``time``) and a last one with ``final`` and ``eval_loss``
 (the held-out loss of the final global values), ``DIR/replica-I.final`` the sha256 of its final
 whole parameters (the same on every replica), ``DIR/replica-I.log`` its output (every rank's).
 
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sleeps T seconds inside its training loop (alive, heartbeating); repeatable")  # fmt: skip
     add("--trainer", choices=["acco", "torchft-diloco"], default="acco", help="what each replica group runs: acco's "
         "elastic local steps, or torchft's own DiLoCo (examples/torchft_diloco.py: the baseline)")  # fmt: skip
+    add("--trace", type=int, default=0, metavar="N", help="diagnostics per outer round in the jsonl: the inner lr, the "
+        "inner optimizer's step count, the norms of the global values' change and of this group's own progress, and "
+        "the global values' held-out loss on N batches")  # fmt: skip
     add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
         "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
@@ -239,7 +243,10 @@ def replica_main(args: argparse.Namespace) -> None:
                      "dropped": stats.dropped, "content_heal": stats.content_heal, "counted": stats.counted, "spread": stats.spread,
                      "steps": None if stats.replicas is None else list(stats.replicas.steps), "loss": sum(losses) / len(losses) if losses else None,
                      "seconds": round(time.perf_counter() - clock, 3), "time": time.time(), "pid": os.getpid(),
-                     "bytes": stats.collective_bytes}  # fmt: skip
+                     "bytes": stats.collective_bytes,
+                     "report": None if stats.replicas is None else stats.replicas.as_dict()}  # fmt: skip
+            if args.trace:
+                entry.update(trace(stats))
             log.write(json.dumps(entry) + "\n")
             log.flush()
             losses = []
@@ -248,6 +255,38 @@ def replica_main(args: argparse.Namespace) -> None:
             print(f"replica {index} | round {entry['round']:4d} | inner step {entry['inner_step']:5d} | "
                   f"{entry['participants']} replica group(s)" + (" | dropped" if stats.dropped else "")
                   + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
+
+    trace_set = eval_set[: args.trace]
+    anchor = [p.detach().clone() for p in model.parameters()]  # the global values the trace measures changes from
+    before_step = [p.detach().clone() for p in model.parameters()]
+
+    def trace(stats) -> dict:  # type: ignore[no-untyped-def]
+        """--trace: what a round did, measured on this group's own copy (blocking rounds: the
+        parameters are the global values right after one)."""
+        now = [p.detach() for p in model.parameters()]
+        norm = lambda pairs: float(sum(((a - b).double() ** 2).sum() for a, b in pairs) ** 0.5)  # noqa: E731
+        state = [s for inner in opt.inner_optimizers for s in inner.state.values() if "step" in s]
+        out = {"lr": opt.param_groups[0]["lr"], "adam_step": float(state[0]["step"]) if state else None,
+               "update_norm": norm(zip(now, anchor)), "own_norm": norm(zip(before_step, anchor)),
+               "global_loss": evaluate(model, trace_set)}
+        if handed:  # the exact hand-over, for an offline check of the round's arithmetic
+            torch.save({"before": handed.pop("before"), "handed": handed.pop("params"), "weight": handed.pop("weight"),
+                        "after": [v.clone() for v in opt._loop.global_values]}, directory / f"trace-{index}-{stats.index}-{os.getpid()}.pt")
+        for a, p in zip(anchor, now):
+            a.copy_(p)
+        return out
+
+    handed: dict = {}
+    if args.trace:
+        lane_run = opt._loop.lane_work.run
+
+        def run_and_keep(round_):  # type: ignore[no-untyped-def]
+            handed["params"] = [p.detach().clone() for p in round_.params]
+            handed["weight"] = round_.hand_over.weight
+            handed["before"] = [v.clone() for v in opt._loop.global_values]
+            return lane_run(round_)
+
+        opt._loop.lane_work.run = run_and_keep
 
     if writes:
         print(f"replica {index} | joined at round {opt.outer_rounds}, inner step {opt.num_updates}", flush=True)
@@ -268,6 +307,9 @@ def replica_main(args: argparse.Namespace) -> None:
             losses.append(loss.item())
         if step_seconds:
             time.sleep(step_seconds)
+        if args.trace:
+            for saved, p in zip(before_step, model.parameters()):
+                saved.copy_(p.detach())
         opt.step()
         record_rounds()
     opt.finish()
