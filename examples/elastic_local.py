@@ -107,7 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "elastic local steps, or torchft's own DiLoCo (examples/torchft_diloco.py: the baseline)")  # fmt: skip
     add("--trace", type=int, default=0, metavar="N", help="diagnostics per outer round in the jsonl: the inner lr, the "
         "inner optimizer's step count, the norms of the global values' change and of this group's own progress, and "
-        "the global values' held-out loss on N batches")  # fmt: skip
+        "the global values' held-out loss on N batches; and per rank DIR/trace-I-ROUND-PID.pt (the round's global "
+        "values before and after, this rank's hand-over) and DIR/state-I-RANK-roundN-PID.pt (the inner optimizer's "
+        "state, this rank's blocks, and the parameters after round N)")  # fmt: skip
     add("--die-in-round", default=None, metavar="I:K", help="testing: replica group I dies (SIGKILL) inside outer "
         "round K, once its quorum formed, while its peers are in the round's collectives")  # fmt: skip
     args = parser.parse_args(argv)
@@ -257,13 +259,18 @@ def replica_main(args: argparse.Namespace) -> None:
                   + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
 
     trace_set = eval_set[: args.trace]
-    anchor = [p.detach().clone() for p in model.parameters()]  # the global values the trace measures changes from
-    before_step = [p.detach().clone() for p in model.parameters()]
+
+    def own_blocks() -> list:  # type: ignore[type-arg]
+        """The whole parameters (a DTensor gathered: collective in the group, every rank calls it)."""
+        return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+    anchor = [p.clone() for p in own_blocks()]  # the global values the trace measures changes from
+    before_step = [p.clone() for p in own_blocks()]
 
     def trace(stats) -> dict:  # type: ignore[no-untyped-def]
         """--trace: what a round did, measured on this group's own copy (blocking rounds: the
         parameters are the global values right after one)."""
-        now = [p.detach() for p in model.parameters()]
+        now = own_blocks()
         norm = lambda pairs: float(sum(((a - b).double() ** 2).sum() for a, b in pairs) ** 0.5)  # noqa: E731
         state = [s for inner in opt.inner_optimizers for s in inner.state.values() if "step" in s]
         out = {"lr": opt.param_groups[0]["lr"], "adam_step": float(state[0]["step"]) if state else None,
@@ -272,6 +279,12 @@ def replica_main(args: argparse.Namespace) -> None:
         if handed:  # the exact hand-over, for an offline check of the round's arithmetic
             torch.save({"before": handed.pop("before"), "handed": handed.pop("params"), "weight": handed.pop("weight"),
                         "after": [v.clone() for v in opt._loop.global_values]}, directory / f"trace-{index}-{stats.index}-{os.getpid()}.pt")
+        adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in entry.items()}
+                for inner in opt.inner_optimizers for entry in inner.state.values()]
+        rank_of = int(os.environ.get("RANK", "0")) if ranks > 1 else 0
+        torch.save({"inner_state": adam, "params": [p.clone() for p in now], "lr": opt.param_groups[0]["lr"],
+                    "num_updates": opt.num_updates},
+                   directory / f"state-{index}-{rank_of}-round{opt.outer_rounds}-{os.getpid()}.pt")
         for a, p in zip(anchor, now):
             a.copy_(p)
         return out
@@ -308,8 +321,8 @@ def replica_main(args: argparse.Namespace) -> None:
         if step_seconds:
             time.sleep(step_seconds)
         if args.trace:
-            for saved, p in zip(before_step, model.parameters()):
-                saved.copy_(p.detach())
+            for saved, p in zip(before_step, own_blocks()):
+                saved.copy_(p)
         opt.step()
         record_rounds()
     opt.finish()
