@@ -256,7 +256,11 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (each its own lighthouse)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' logs here")
+    parser.add_argument("--outer", choices=["default", "plain"], default=None, help="the example's outer step (its "
+                        "--outer; other options after these go to the example too: later options win)")  # fmt: skip
     args, extra = parser.parse_known_args()
+    if args.outer:
+        extra = [*extra, "--outer", args.outer]
     base = args.keep or Path(tempfile.mkdtemp(prefix="elastic-stress-"))
     results: list[dict[str, Any]] = []
     for scenario in args.scenarios:

@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--sync-every", type=lambda text: text if text == "auto" else int(text), default=10,
         help="inner steps per outer round, or 'auto': chosen from the link (the library's default)")
     add("--outer-bits", type=int, default=4)
+    add("--outer", choices=["default", "plain"], default="default", help="the outer step: acco's default for elastic "
+        "groups, or plain averaging (SGD lr 1.0, no momentum: the fixed job's default)")  # fmt: skip
     add("--timeout", type=float, default=10.0, help="seconds a collective or a commit vote waits for a peer")
     add("--quorum-timeout", type=float, default=60.0, help="seconds a round waits for a quorum")
     add("--max-restarts", type=int, default=3, help="restarts per replica group before the launcher gives up")
@@ -154,7 +156,7 @@ def replica_main(args: argparse.Namespace) -> None:
     # Imported here: the launcher starts the replica groups without waiting for torch to load.
     import torch
 
-    from acco import AccoOptimizer
+    from acco import AccoOptimizer, default_outer
     from acco.elastic import NoPeerToHeal, TorchFT
     from train_gpt import GPT, GPTConfig, WarmupCosine, eval_batches, evaluate, load_corpus, loss_fn, param_groups, \
         sample_batch, split_corpus  # fmt: skip
@@ -218,6 +220,7 @@ def replica_main(args: argparse.Namespace) -> None:
             param_groups(model, weight_decay=0.1), torch.optim.AdamW, module=model, mode="local",
             process_group=group, membership=membership, sync_every=args.sync_every, sync_delay=0, pacing=args.pacing,
             outer_bits=args.outer_bits, lr=args.lr, betas=(0.9, 0.95), max_grad_norm=1.0,
+            outer_optimizer=default_outer(args.sync_every) if args.outer == "plain" else None,
             timeout=datetime.timedelta(seconds=args.quorum_timeout + 60),
         )  # fmt: skip
     except Exception as error:
