@@ -210,8 +210,11 @@ def default_rank(index: int, address: str, steps: int, results) -> None:  # type
         opt = AccoOptimizer(model, cls, mode="local", membership=membership, max_grad_norm=MAX_NORM,
                             timeout=datetime.timedelta(seconds=90), **hp)  # fmt: skip
         described = repr(opt)
-        for t in range(steps):
+        opt.stop_after(steps=steps)  # speed pacing (the default) may give the groups different steps under load
+        t = 0
+        while not opt.should_stop:
             inner_step(opt, model, t, index, weighted=False)
+            t += 1
         opt.finish()
         results.put((index, {k: v.numpy().tobytes() for k, v in params_of(model).items()}, every_history(opt),
                      described))  # fmt: skip
