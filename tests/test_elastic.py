@@ -37,9 +37,9 @@ from acco import AccoOptimizer, default_outer  # noqa: E402
 from tests.helpers import assert_params_close  # noqa: E402
 from tests.ranks import fork_server  # noqa: E402
 from tests.reference import OPTIMIZERS, local_reference, make_model, params_of  # noqa: E402
-from acco.options import AUTO_EVERY_BOUNDS, LocalOptions, Mode  # noqa: E402
-from acco.replicas import Pacing, ReplicaReport  # noqa: E402
+from acco.options import AUTO_EVERY_BOUNDS  # noqa: E402
 from tests.test_auto_every import assert_planned, every_history  # noqa: E402
+from tests.test_replicas import speed_plans  # noqa: E402
 from tests.test_local import H, MAX_NORM, inner_step, step_data  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -489,19 +489,6 @@ def rate(directory: Path, index: int, steps: int = 120) -> float:
     return (last["inner_step"] - first["inner_step"]) / (last["time"] - first["time"])
 
 
-def replayed_plans(rounds: list[dict]) -> list[list[int]]:
-    """Speed pacing's plan after each of ``rounds`` (landed in a row, every group in each), the
-    planner (acco.replicas.Pacing) replayed on the reports the run recorded: what the next
-    round's steps must be, whatever a loaded machine made the paces measure."""
-    pacing = Pacing(LocalOptions.check(Mode.LOCAL, 10, 0, None, None, pacing="speed"))
-    pacing.join(0, 2)
-    plans = []
-    for entry in rounds:
-        pacing.landed(ReplicaReport.from_dict(entry["report"]))
-        plans.append(list(pacing.plan))
-    return plans
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("rate_checked", [False, pytest.param(True, marks=pytest.mark.measured)])
 def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_path, rate_checked) -> None:
@@ -521,7 +508,8 @@ def test_speed_pacing_keeps_the_fast_group_at_its_rate_beside_one_3x_slower(tmp_
     rounds = [r for r in records(slow, 0)[1:] if not r.get("final") and r["inner_step"] < 120]
     assert all(r["participants"] == 2 and not r["dropped"] for r in rounds), rounds
     assert any(r["steps"][1] < 10 for r in rounds), rounds  # group 1's steps cut (what a 3x slower group's reports give)
-    assert all(r["steps"] == plan for r, plan in zip(rounds[1:], replayed_plans(rounds))), rounds
+    # every round's steps are the planner's on the reports the run recorded before it
+    assert all(r["steps"] == plan for r, plan in zip(rounds[1:], speed_plans([r["report"] for r in rounds], 10))), rounds
     if rate_checked:
         assert rate(slow, 0) >= 0.9 * rate(equal, 0), (rate(slow, 0), rate(equal, 0))
 
