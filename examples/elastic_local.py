@@ -261,19 +261,20 @@ def replica_main(args: argparse.Namespace) -> None:
                   f"{entry['participants']} replica group(s)" + (" | dropped" if stats.dropped else "")
                   + ("" if entry["loss"] is None else f" | loss {entry['loss']:.4f}"), flush=True)
 
+    # --trace: diagnostics (they reach into the optimizer's loop: not an API to copy).
     trace_set = eval_set[: args.trace]
 
-    def own_blocks() -> list:  # type: ignore[type-arg]
+    def whole_params() -> list:  # type: ignore[type-arg]
         """The whole parameters (a DTensor gathered: collective in the group, every rank calls it)."""
         return [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
 
-    anchor = [p.clone() for p in own_blocks()]  # the global values the trace measures changes from
-    before_step = [p.clone() for p in own_blocks()]
+    anchor = [p.clone() for p in whole_params()] if args.trace else []  # the global values changes are measured from
+    before_step = [p.clone() for p in anchor]
 
     def trace(stats) -> dict:  # type: ignore[no-untyped-def]
-        """--trace: what a round did, measured on this group's own copy (blocking rounds: the
-        parameters are the global values right after one)."""
-        now = own_blocks()
+        """What a round did, measured on this group's own copy (blocking rounds: the parameters
+        are the global values right after one)."""
+        now = whole_params()
         norm = lambda pairs: float(sum(((a - b).double() ** 2).sum() for a, b in pairs) ** 0.5)  # noqa: E731
         state = [s for inner in opt.inner_optimizers for s in inner.state.values() if "step" in s]
         out = {"lr": opt.param_groups[0]["lr"], "adam_step": float(state[0]["step"]) if state else None,
@@ -284,10 +285,9 @@ def replica_main(args: argparse.Namespace) -> None:
                         "after": [v.clone() for v in opt._loop.global_values]}, directory / f"trace-{index}-{stats.index}-{os.getpid()}.pt")
         adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in entry.items()}
                 for inner in opt.inner_optimizers for entry in inner.state.values()]
-        rank_of = int(os.environ.get("RANK", "0")) if ranks > 1 else 0
         torch.save({"inner_state": adam, "params": [p.clone() for p in now], "lr": opt.param_groups[0]["lr"],
                     "num_updates": opt.num_updates},
-                   directory / f"state-{index}-{rank_of}-round{opt.outer_rounds}-{os.getpid()}.pt")
+                   directory / f"state-{index}-{rank}-round{opt.outer_rounds}-{os.getpid()}.pt")
         for a, p in zip(anchor, now):
             a.copy_(p)
         return out
@@ -324,7 +324,7 @@ def replica_main(args: argparse.Namespace) -> None:
         if step_seconds:
             time.sleep(step_seconds)
         if args.trace:
-            for saved, p in zip(before_step, own_blocks()):
+            for saved, p in zip(before_step, whole_params()):
                 saved.copy_(p)
         opt.step()
         record_rounds()
