@@ -82,6 +82,7 @@ def name_of(method: str) -> str:
 
 def steps_table(data: dict[str, Any]) -> str:
     rows = []
+    gaps: dict[str, list[float]] = {}  # each round's gap to dense 4-bit, by seed (the summary's)
     for run_ in data["runs"]:
         methods = run_["methods"]
         full, dense = methods.get(DENSE32, {}), methods.get(DENSE4, {})
@@ -92,19 +93,14 @@ def steps_table(data: dict[str, Any]) -> str:
             per_round = m.get("lo_bytes_per_sync")
             share = per_round / full["lo_bytes_per_sync"] if per_round and full.get("lo_bytes_per_sync") else None
             gap = m["final_loss"] / dense["final_loss"] - 1 if dense.get("final_loss") else None
+            if gap is not None and method != DENSE4:
+                gaps.setdefault(method, []).append(gap)
             rows.append([str(run_["seed"]), name_of(method), f"{m['final_loss']:.4f}",
                          "-" if gap is None else f"{100 * gap:+.2f}%",
                          "-" if per_round is None else f"{per_round / 1e6:.3f}",
                          "-" if share is None else f"{share:.4f}"])
     table = common.md_table(["seed", "round", "held-out loss at 240 inner steps", "vs dense 4-bit",
                              "loopback MB per outer round", "vs dense 32-bit"], rows)
-    gaps: dict[str, list[float]] = {}
-    for run_ in data["runs"]:
-        dense = run_["methods"].get(DENSE4, {}).get("final_loss")
-        for method in STEPS_METHODS:
-            final = run_["methods"].get(method, {}).get("final_loss")
-            if dense and final and method != DENSE4:
-                gaps.setdefault(method, []).append(final / dense - 1)
     if len(data["runs"]) < 2:
         return table
     summary = common.md_table(
