@@ -50,7 +50,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elastic_local.py"
 
 
 def lighthouse():
-    os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's library loads
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=50,

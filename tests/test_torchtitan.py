@@ -314,7 +314,6 @@ def test_elastic_groups_train_together(tmp_path: Path, steps: int) -> None:
     """Two replica groups, each its own job, with ``optimizer.elastic`` (torchft's lighthouse in
     this process): every outer round has both, the loss falls, and both end with the same
     parameters."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse, read when its library loads
     pytest.importorskip("torchft")
     from tests.test_elastic import after_join, lighthouse
 
@@ -343,7 +342,6 @@ def test_elastic_group_restarted_heals(tmp_path: Path) -> None:
     """Group 1's job exits after step 5; group 0 goes on alone; group 1's job, started again as
     torchrun restarts one, takes acco's state, the trainer's step and the LR schedules from
     group 0, trains with it to the end, and both end with the same parameters."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse, read when its library loads
     pytest.importorskip("torchft")
     from tests.test_elastic import lighthouse
 
